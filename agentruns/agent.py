@@ -1,0 +1,78 @@
+"""Agents: a model, instructions, tools and the limits of a run."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from agentruns.models.base import Model
+from agentruns.runs import Budget, Run, TriggerEnvelope, WaitPoint
+from agentruns.tools import Tool, as_tool
+
+if TYPE_CHECKING:
+    pass
+
+ToolLike = Tool | Callable[..., Any]
+Notifier = Callable[[Run, WaitPoint, str], None]
+
+
+@dataclass(frozen=True)
+class RunContext:
+    run_id: str
+    agent: str
+    trigger: TriggerEnvelope
+    thread: str | None
+    signal: threading.Event
+
+
+class Agent:
+    """What to run: see SPEC §3 for every argument."""
+
+    def __init__(
+        self,
+        name: str,
+        model: Model,
+        instructions: str | Callable[[RunContext], str] = "",
+        tools: Sequence[ToolLike] | Callable[[RunContext], Sequence[ToolLike]] = (),
+        budget: Budget | None = None,
+        approval_ttl: timedelta = timedelta(hours=24),
+        notifier: Notifier | None = None,
+        concurrency_key: str | Callable[[TriggerEnvelope], str | None] | None = None,
+        state: type[BaseModel] | None = None,
+    ) -> None:
+        if not name:
+            raise ValueError("an agent needs a name")
+        self.name = name
+        self.model = model
+        self.instructions = instructions
+        self.budget = budget or Budget()
+        self.approval_ttl = approval_ttl
+        self.notifier = notifier
+        self.concurrency_key = concurrency_key
+        self.state = state
+        self._tools = tools
+        if not callable(tools):
+            self._static_tools = [as_tool(t) for t in tools]
+
+    def system_prompt(self, ctx: RunContext) -> str:
+        if callable(self.instructions):
+            return self.instructions(ctx)
+        return self.instructions
+
+    def tools_for(self, ctx: RunContext) -> list[Tool]:
+        if callable(self._tools):
+            return [as_tool(t) for t in self._tools(ctx)]
+        return list(self._static_tools)
+
+    def key_for(self, trigger: TriggerEnvelope) -> str | None:
+        if callable(self.concurrency_key):
+            return self.concurrency_key(trigger)
+        return self.concurrency_key
+
+    def __repr__(self) -> str:
+        return f"Agent({self.name!r})"

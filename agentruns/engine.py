@@ -1,0 +1,550 @@
+"""The engine: dispatches runs, executes them under a lease, answers approvals, sweeps."""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import redis
+import sqlalchemy.exc
+from pydantic import ValidationError
+
+from agentruns import approvals
+from agentruns.agent import Agent
+from agentruns.errors import (
+    AgentrunsError,
+    InvalidTokenError,
+    InvalidTriggerError,
+    LeaseLostError,
+    UnknownAgentError,
+)
+from agentruns.events import EventType, Events, Listener
+from agentruns.execution import Abort, Execution
+from agentruns.leases.base import Leases
+from agentruns.leases.local import LocalLeases
+from agentruns.runs import (
+    Budget,
+    Checkpoint,
+    Run,
+    RunError,
+    RunStatus,
+    Step,
+    TriggerEnvelope,
+    utcnow,
+)
+from agentruns.schedulers.base import Scheduler
+from agentruns.schedulers.local import LocalScheduler
+from agentruns.store.base import Commit, Committed, Guard, NewRun, NewStep, RunRef, Store
+from agentruns.store.sql import SqlStore
+
+log = logging.getLogger("agentruns")
+
+_INFRASTRUCTURE = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    redis.ConnectionError,
+    redis.TimeoutError,
+    OSError,
+)
+
+
+class _Active:
+    """An execution this engine is running, with its lease bookkeeping."""
+
+    def __init__(self, execution: Execution, renew_every: float, timeout_s: float | None):
+        self.execution = execution
+        now = time.monotonic()
+        self.next_renewal = now + renew_every
+        self.deadline = now + timeout_s if timeout_s else None
+
+
+class Engine:
+    """See SPEC §4. An engine never calls ``tick()`` or ``recover()`` by itself."""
+
+    def __init__(
+        self,
+        store: Store | str,
+        leases: Leases | None = None,
+        scheduler: Scheduler | None = None,
+        agents: Sequence[Agent] = (),
+        secret: str | None = None,
+        owner: str | None = None,
+        slots: int = 8,
+        lease_ttl: float = 30.0,
+        requeue_after: float = 60.0,
+        on_error: Callable[[Exception], None] | None = None,
+    ) -> None:
+        if slots < 1 or lease_ttl <= 0 or requeue_after <= 0:
+            raise ValueError("slots, lease_ttl and requeue_after must be positive")
+        self.store: Store = SqlStore(store) if isinstance(store, str) else store
+        self.store.check_schema()
+        self.leases: Leases = leases if leases is not None else LocalLeases()
+        self.scheduler: Scheduler = scheduler if scheduler is not None else LocalScheduler()
+        if secret is None:
+            warnings.warn(
+                "Engine has no secret: resume tokens will only be valid in this process",
+                stacklevel=2,
+            )
+            secret = secrets.token_urlsafe(32)
+        self.secret = secret
+        self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self.slots = slots
+        self.lease_ttl = lease_ttl
+        self.requeue_after = requeue_after
+        self._on_error = on_error
+        self._agents: dict[str, Agent] = {}
+        for agent in agents:
+            self.register(agent)
+        self.events = Events(self.report)
+        self._active: dict[str, _Active] = {}
+        self._lock = threading.Lock()
+        self._slots = threading.BoundedSemaphore(slots)
+        self._draining = False
+        self._closed = False
+        self._stop = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self.scheduler.bind(self.execute, slots)
+        self._unsubscribe_aborts = self.leases.on_abort_request(self._abort_requested)
+
+    # -- configuration -----------------------------------------------------------
+
+    def register(self, agent: Agent) -> None:
+        if agent.name in self._agents and self._agents[agent.name] is not agent:
+            raise ValueError(f"two agents are named {agent.name!r}")
+        self._agents[agent.name] = agent
+
+    @property
+    def agents(self) -> dict[str, Agent]:
+        return dict(self._agents)
+
+    @classmethod
+    def from_settings(cls, **overrides: Any) -> Engine:
+        """An engine built from ``AGENTRUNS_*`` settings (see ``agentruns.settings``)."""
+        from agentruns.wiring import engine_from_settings
+
+        return engine_from_settings(**overrides)
+
+    # -- producing runs ------------------------------------------------------------
+
+    def dispatch(
+        self,
+        agent: str | Agent,
+        trigger: TriggerEnvelope | dict[str, Any],
+        *,
+        idempotency_key: str | None = None,
+        concurrency_key: str | None = None,
+        thread: str | None = None,
+        budget: Budget | dict[str, Any] | None = None,
+    ) -> Run:
+        """Store a queued run and schedule it; the same idempotency key returns the same run."""
+        name = agent.name if isinstance(agent, Agent) else agent
+        found = self._agents.get(name)
+        if found is None:
+            raise UnknownAgentError(name)
+        envelope = _envelope(trigger)
+        thread = thread if thread is not None else envelope.thread
+        if concurrency_key is None:
+            concurrency_key = found.key_for(envelope)
+        if concurrency_key is None and thread is not None:
+            concurrency_key = f"thread:{thread}"
+        try:
+            limits = Budget.model_validate(budget) if isinstance(budget, dict) else budget
+        except ValidationError as exc:
+            raise InvalidTriggerError(f"invalid budget: {exc}") from None
+        run, created = self.store.create_run(
+            NewRun(
+                id=str(uuid.uuid4()),
+                agent=name,
+                trigger=envelope,
+                idempotency_key=idempotency_key if idempotency_key is not None else envelope.id,
+                concurrency_key=concurrency_key,
+                thread=thread,
+                budget=limits,
+            )
+        )
+        if created:
+            self.events.run_updated(run)
+        if run.status is RunStatus.QUEUED:
+            # Also for a duplicate: its first dispatcher may have died before scheduling.
+            self.scheduler.schedule(run.id)
+        return run
+
+    # -- executing -------------------------------------------------------------------
+
+    def execute(self, run_id: str) -> Run:
+        """One execution of a queued run; does nothing if another engine has it."""
+        run = self.store.get_run(run_id)
+        if run.status is not RunStatus.QUEUED or self._draining:
+            return run
+        while not self._slots.acquire(timeout=0.2):
+            if self._draining:
+                return run
+        try:
+            return self._execute_claimed(run)
+        finally:
+            self._slots.release()
+
+    def _execute_claimed(self, run: Run) -> Run:
+        try:
+            if self._draining or not self.leases.acquire(run.id, self.owner, self.lease_ttl):
+                return run
+        except Exception as exc:
+            self.report(exc)
+            return run
+        key = run.concurrency_key
+        try:
+            claimed = self.store.claim(run.id, self.owner, self._claim_expiry())
+            if claimed is None:
+                return self.store.get_run(run.id)
+            self.events.run_updated(claimed.run)
+            agent = self._agents.get(claimed.run.agent)
+            if agent is None:
+                return self._fail_unknown_agent(claimed.run, claimed.epoch)
+            execution = Execution(self, agent, claimed)
+            budget = claimed.run.budget or agent.budget
+            self._start(execution, budget.timeout_s)
+            try:
+                run = execution.execute()
+            finally:
+                with self._lock:
+                    self._active.pop(run.id, None)
+        except Exception as exc:
+            self.report(exc)
+        finally:
+            try:
+                self.leases.release(run.id, self.owner)
+            except Exception as exc:
+                self.report(exc)
+        if key is not None and run.status is not RunStatus.RUNNING:
+            self._schedule_next(key)
+        return run
+
+    def _fail_unknown_agent(self, run: Run, epoch: int) -> Run:
+        committed = self.store.commit(
+            run.id,
+            Guard(status=RunStatus.RUNNING, epoch=epoch),
+            Commit(
+                status=RunStatus.FAILED,
+                error=RunError(code="unknown_agent", message=f"no agent named {run.agent!r}"),
+                release_claim=True,
+            ),
+        )
+        assert committed is not None
+        self.published(committed)
+        return committed.run
+
+    def _schedule_next(self, key: str) -> None:
+        try:
+            next_id = self.store.next_queued(key)
+            if next_id is not None:
+                self.scheduler.schedule(next_id)
+        except Exception as exc:
+            self.report(exc)
+
+    def _claim_expiry(self) -> Any:
+        from datetime import timedelta
+
+        return utcnow() + timedelta(seconds=self.lease_ttl)
+
+    def _start(self, execution: Execution, timeout_s: float | None) -> None:
+        with self._lock:
+            self._active[execution.run_id] = _Active(execution, self.lease_ttl / 3, timeout_s)
+            if self._monitor is None:
+                self._monitor = threading.Thread(
+                    target=self._watch, name="agentruns-leases", daemon=True
+                )
+                self._monitor.start()
+
+    def _watch(self) -> None:
+        """Renew the leases of running executions and enforce their timeouts."""
+        interval = min(0.1, self.lease_ttl / 10)
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            with self._lock:
+                active = list(self._active.values())
+            for item in active:
+                if item.deadline is not None and now >= item.deadline:
+                    item.execution.abort(Abort.TIMEOUT)
+                if now >= item.next_renewal:
+                    item.next_renewal = now + self.lease_ttl / 3
+                    self._renew(item.execution)
+
+    def _renew(self, execution: Execution) -> None:
+        cancel: bool | None = None
+        try:
+            if self.leases.renew(execution.run_id, self.owner, self.lease_ttl):
+                cancel = self.store.renew_claim(
+                    execution.run_id, execution.epoch, self._claim_expiry()
+                )
+        except Exception as exc:
+            self.report(exc)
+        if cancel is None:
+            execution.abort(Abort.LEASE_LOST)
+        elif cancel:
+            execution.abort(Abort.CANCEL)
+
+    def _abort_requested(self, run_id: str) -> None:
+        with self._lock:
+            item = self._active.get(run_id)
+        if item is not None:
+            item.execution.abort(Abort.CANCEL)
+
+    # -- called by executions ----------------------------------------------------------
+
+    def published(self, committed: Committed) -> None:
+        """Deliver the events of a committed write."""
+        self.events.steps_appended(committed.steps)
+        self.events.run_updated(committed.run)
+
+    def notify(self, run: Run) -> None:
+        """Call the agent's notifier for the run's wait point; mark it notified if it returns."""
+        agent = self._agents.get(run.agent)
+        wait = run.waiting
+        if agent is None or agent.notifier is None or wait is None or wait.notified_at:
+            return
+        # One notifier call at a time per wait point, across every engine and tick.
+        lock_id = f"notify:{wait.token_id}"
+        try:
+            if not self.leases.acquire(lock_id, self.owner, max(self.lease_ttl, 30.0)):
+                return
+        except Exception as exc:
+            self.report(exc)
+            return
+        try:
+            current = self.store.get_run(run.id)
+            if current.waiting is None or current.waiting.token_id != wait.token_id:
+                return
+            if current.waiting.notified_at is not None:
+                return
+            agent.notifier(current, current.waiting, approvals.mint(self.secret, run.id, wait))
+            updated = self.store.mark_notified(run.id, wait.token_id, utcnow())
+            if updated is not None:
+                self.events.run_updated(updated)
+        except Exception as exc:
+            self.report(exc)
+        finally:
+            try:
+                self.leases.release(lock_id, self.owner)
+            except Exception as exc:
+                self.report(exc)
+
+    def report(self, exc: Exception) -> None:
+        if self._on_error is None:
+            if isinstance(exc, LeaseLostError):
+                log.warning("%s", exc)
+            else:
+                log.error("agentruns error", exc_info=exc)
+            return
+        try:
+            self._on_error(exc)
+        except Exception:
+            log.exception("on_error raised")
+
+    @staticmethod
+    def is_infrastructure_error(exc: Exception) -> bool:
+        return isinstance(exc, _INFRASTRUCTURE)
+
+    # -- approvals ---------------------------------------------------------------------------
+
+    def resume(self, token: str, *, approved: bool, reason: str | None = None) -> Run:
+        """Answer the approval a token stands for, once; the run is queued again."""
+        claims = approvals.verify(self.secret, token)
+        try:
+            run = self.store.get_run(claims.run_id)
+        except AgentrunsError:
+            raise InvalidTokenError("stale", "the token's run does not exist") from None
+        if run.status is not RunStatus.WAITING or not approvals.matches(
+            claims, run.id, run.waiting
+        ):
+            raise InvalidTokenError("stale", "the run is not waiting on this token")
+        return self._answer(run, approved=approved, reason=reason)
+
+    def _answer(self, run: Run, *, approved: bool, reason: str | None) -> Run:
+        wait = run.waiting
+        assert wait is not None and wait.tool_call_id is not None
+        pending = dict(self.store.pending(run.id) or {})
+        if approved:
+            pending[wait.tool_call_id] = {"status": "approved"}
+        else:
+            pending[wait.tool_call_id] = {
+                "status": "done",
+                "content": f"The call was denied: {reason or 'no reason given'}",
+                "is_error": True,
+            }
+        now = utcnow()
+        step = NewStep(
+            kind="wait",
+            name=wait.tool_name,
+            input=wait.input,
+            output={"approval_id": wait.approval_id, "approved": approved, "reason": reason},
+            started_at=now,
+            finished_at=now,
+        )
+        committed = self.store.commit(
+            run.id,
+            Guard(status=RunStatus.WAITING, token_id=wait.token_id),
+            # The same step index: the answer joins the checkpoint of the step that asked.
+            Commit(
+                steps=[step],
+                pending=pending,
+                checkpoint=(run.steps_used - 1, "tool_use"),
+                status=RunStatus.QUEUED,
+                waiting=None,
+            ),
+        )
+        if committed is None:
+            raise InvalidTokenError("stale", "the approval was answered or cancelled meanwhile")
+        self.published(committed)
+        self.scheduler.schedule(run.id)
+        return committed.run
+
+    def approval_token(self, run_id: str) -> str:
+        """Mint the current resume token of a waiting run again (for an operator)."""
+        run = self.store.get_run(run_id)
+        if run.status is not RunStatus.WAITING or run.waiting is None:
+            raise AgentrunsError(f"run {run_id} is {run.status.value}, not waiting on an approval")
+        return approvals.mint(self.secret, run.id, run.waiting)
+
+    # -- control -------------------------------------------------------------------------------
+
+    def cancel(self, run_id: str) -> Run:
+        run = self.store.request_cancel(run_id)
+        if run.status is RunStatus.RUNNING:
+            try:
+                self.leases.request_abort(run_id)
+            except Exception as exc:
+                self.report(exc)  # the owner still sees cancel_requested on its next renewal
+        elif run.status is RunStatus.CANCELLED:
+            self.events.run_updated(run)
+            if run.concurrency_key is not None:
+                self._schedule_next(run.concurrency_key)
+        return run
+
+    def tick(self) -> None:
+        """Deny approvals past their expiry; re-send notifications that did not go through."""
+        now = utcnow()
+        for run in self.store.waiting_runs():
+            wait = run.waiting
+            if wait is None:
+                continue
+            if wait.expires_at <= now:
+                try:
+                    self._answer(run, approved=False, reason="approval expired")
+                except InvalidTokenError:
+                    pass  # answered by someone else meanwhile
+            elif wait.notified_at is None:
+                self.notify(run)
+
+    def recover(self) -> list[str]:
+        """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge was lost."""
+        from datetime import timedelta
+
+        now = utcnow()
+        requeued: list[str] = []
+        for ref in self.store.sweep_candidates(now - timedelta(seconds=self.requeue_after)):
+            try:
+                if self._requeue(ref, now):
+                    requeued.append(ref.id)
+                    self.scheduler.schedule(ref.id)
+            except Exception as exc:
+                self.report(exc)
+        return requeued
+
+    def _requeue(self, ref: RunRef, now: Any) -> bool:
+        if ref.status is RunStatus.RUNNING:
+            if ref.claim_expires_at is not None and ref.claim_expires_at > now:
+                return False
+            if self.leases.holder(ref.id) is not None:
+                return False
+        elif ref.status is RunStatus.QUEUED and self.leases.holder(ref.id) is not None:
+            return False  # an execution is claiming it right now
+        if not self.store.requeue(ref):
+            return False
+        self.events.run_updated(self.store.get_run(ref.id))
+        return True
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Stop claiming; abort in-flight runs, which settle ``interrupted`` and release claims."""
+        self._draining = True
+        with self._lock:
+            active = list(self._active.values())
+        for item in active:
+            item.execution.abort(Abort.DRAIN)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                if not self._active:
+                    return
+            if deadline is not None and time.monotonic() >= deadline:
+                return
+            time.sleep(0.01)
+
+    def idle(self, timeout: float | None = None) -> bool:
+        """True once nothing runs here, nothing more can start, and events were delivered."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                busy = bool(self._active)
+            if not busy and self.scheduler.outstanding() == 0:
+                return True
+            if deadline is not None and time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.drain()
+        self._stop.set()
+        self._unsubscribe_aborts()
+        self.scheduler.close()
+        self.leases.close()
+        self.store.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reads ----------------------------------------------------------------------------------
+
+    def get_run(self, run_id: str) -> Run:
+        return self.store.get_run(run_id)
+
+    def list_runs(
+        self, status: RunStatus | str | None = None, agent: str | None = None, limit: int = 100
+    ) -> list[Run]:
+        return self.store.list_runs(RunStatus(status) if status else None, agent, limit)
+
+    def steps(self, run_id: str) -> list[Step]:
+        return self.store.steps(run_id)
+
+    def checkpoint(self, run_id: str) -> Checkpoint | None:
+        return self.store.checkpoint(run_id)
+
+    def on(self, event: EventType, listener: Listener) -> Callable[[], None]:
+        return self.events.on(event, listener)
+
+
+def _envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelope:
+    if isinstance(trigger, TriggerEnvelope):
+        return trigger
+    if not isinstance(trigger, dict):
+        raise InvalidTriggerError("a trigger is a TriggerEnvelope or a dict of its fields")
+    try:
+        return TriggerEnvelope.model_validate(trigger)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'trigger'}: {e['msg']}" for e in exc.errors()
+        )
+        raise InvalidTriggerError(f"invalid trigger: {problems}") from None

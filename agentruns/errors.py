@@ -1,0 +1,59 @@
+"""Exceptions raised by agentruns."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+TokenProblem = Literal["malformed", "bad_signature", "expired", "stale"]
+
+
+class AgentrunsError(Exception):
+    """Base class of every error agentruns raises on purpose."""
+
+
+class LeaseLostError(AgentrunsError):
+    """Another engine owns the run: the writer must stop and write nothing more."""
+
+    def __init__(self, run_id: str, message: str | None = None) -> None:
+        self.run_id = run_id
+        super().__init__(message or f"lost the claim on run {run_id}")
+
+
+class FatalToolError(AgentrunsError):
+    """Raised by a tool to fail the whole run (error code ``fatal_tool_error``)."""
+
+
+class InvalidTokenError(AgentrunsError):
+    """A resume token was refused; ``reason`` says why. Nothing was changed."""
+
+    def __init__(self, reason: TokenProblem, message: str | None = None) -> None:
+        self.reason: TokenProblem = reason
+        super().__init__(message or f"invalid resume token: {reason}")
+
+
+class UnknownAgentError(AgentrunsError):
+    """No agent of that name is registered with the engine."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        super().__init__(f"unknown agent {name!r}")
+
+
+class RunNotFoundError(AgentrunsError):
+    """No run has that id."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        super().__init__(f"run {run_id!r} not found")
+
+
+class InvalidTriggerError(AgentrunsError):
+    """The trigger is not a valid envelope, or its payload is not JSON."""
+
+
+class NotMigratedError(AgentrunsError):
+    """The database schema is missing or behind: run ``agentruns migrate``."""
+
+
+class InvalidCheckpointError(AgentrunsError):
+    """The stored transcript cannot be continued (error code ``invalid_checkpoint``)."""

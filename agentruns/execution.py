@@ -1,0 +1,539 @@
+"""One execution: a claimed run, driven from its latest checkpoint until it settles or pauses.
+
+Every write is one transaction guarded by the run's status and fencing epoch
+(see ``SqlStore.commit``). A step with tool calls is two writes: the model's
+response first, then the tool results with the checkpoint, so a recovered run
+never asks the model again for a response that was saved.
+
+While a step is paused on approvals, the answers and the results of the calls
+that already ran are kept in the run's ``pending`` map, keyed by tool call id:
+``{"status": "done", "content": ..., "is_error": ...}``,
+``{"status": "needs_approval", "wait": {...}}`` or ``{"status": "approved"}``.
+The tool-result message is appended only once every call has its result, so
+stored messages stay append-only and the transcript stays valid.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING, Any
+
+from agentruns import transcript
+from agentruns.agent import Agent, RunContext
+from agentruns.errors import (
+    FatalToolError,
+    InvalidCheckpointError,
+    LeaseLostError,
+)
+from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
+from agentruns.runs import Budget, Run, RunError, RunStatus, WaitPoint, utcnow
+from agentruns.store.base import Claimed, Commit, EffectRecord, Guard, NewStep
+from agentruns.tools import StateHolder, Tool, ToolContext, ToolInputError, result_content
+from agentruns.tools import state_tools as make_state_tools
+
+if TYPE_CHECKING:
+    from agentruns.engine import Engine
+
+
+class Abort(str, Enum):
+    CANCEL = "cancel"
+    DRAIN = "drain"
+    TIMEOUT = "timeout"
+    LEASE_LOST = "lease_lost"
+
+
+class _Stop(Exception):
+    """Internal: the execution has settled, paused, or must stop writing."""
+
+
+class _EffectUnknown(Exception):
+    """An effect tool's intent is recorded but not its result: it may or may not have run."""
+
+
+@dataclass
+class _Outcome:
+    content: str
+    is_error: bool
+    output: Any = None
+    error: dict[str, str] | None = None
+
+
+class Execution:
+    """Drives one claimed run. ``abort()`` may be called from any thread."""
+
+    def __init__(self, engine: Engine, agent: Agent, claimed: Claimed) -> None:
+        self.engine = engine
+        self.store = engine.store
+        self.agent = agent
+        self.run = claimed.run
+        self.epoch = claimed.epoch
+        self.signal = threading.Event()
+        self.reason: Abort | None = None
+        self.deadline: float | None = None
+        self._guard = Guard(status=RunStatus.RUNNING, epoch=self.epoch)
+        self._step_started = utcnow()
+
+    @property
+    def run_id(self) -> str:
+        return self.run.id
+
+    def abort(self, reason: Abort) -> None:
+        if self.reason is None:
+            self.reason = reason
+        self.signal.set()
+
+    # -- the whole execution -------------------------------------------------
+
+    def execute(self) -> Run:
+        try:
+            self._execute()
+        except _Stop:
+            pass
+        except LeaseLostError as exc:
+            self.engine.report(exc)
+        except InvalidCheckpointError as exc:
+            self._settle_quietly(RunStatus.FAILED, RunError(code="invalid_checkpoint", message=str(exc)))
+        except Exception as exc:
+            self.engine.report(exc)
+            if not self.engine.is_infrastructure_error(exc):
+                error = RunError(code="internal_error", message=f"{type(exc).__name__}: {exc}")
+                self._settle_quietly(RunStatus.FAILED, error)
+        return self.run
+
+    def _execute(self) -> None:
+        ctx = RunContext(
+            run_id=self.run.id,
+            agent=self.agent.name,
+            trigger=self.run.trigger,
+            thread=self.run.thread,
+            signal=self.signal,
+        )
+        messages, unsaved, pending, state = self._load()
+        self.unsaved = unsaved
+        self.state = StateHolder(state)
+        self.tools = self._assemble_tools(ctx)
+        self.effects: dict[str, EffectRecord] = {}
+        if any(t.effect for t in self.tools.values()):
+            self.effects = self.store.effects(self.run.id)
+
+        if self.run.cancel_requested:
+            self._settle(RunStatus.CANCELLED)
+        tail = messages[-1]
+        if tail["role"] == "assistant":
+            calls = transcript.tool_calls(tail)
+            if not calls:  # a final answer whose settle did not happen
+                self._settle(RunStatus.COMPLETED, output=transcript.text_of(tail))
+            self._run_tools(messages, calls, pending, self.run.steps_used - 1, "tool_use")
+
+        system = self.agent.system_prompt(ctx)
+        specs = [t.spec for t in self.tools.values()]
+        while True:
+            self._check_abort()
+            self._check_budget()
+            response = self._call_model(ModelRequest(system, messages, specs))
+            self._model_step(messages, response)
+
+    # -- start point -------------------------------------------------------------
+
+    def _load(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+        """The transcript to continue, the start messages not stored yet, pending answers, state."""
+        stored = self.store.transcript(self.run.id)
+        messages = stored.messages
+        unsaved: list[dict[str, Any]] = []
+        if not messages:
+            if self.run.thread is not None:
+                unsaved = self.store.thread_history(self.run.thread, self.run.id)
+            unsaved = [*unsaved, self.run.trigger.first_message()]
+            messages = list(unsaved)
+        else:
+            beyond = len(messages) - stored.checkpoint_messages
+            # Past the checkpoint there can only be the saved response of the step in progress.
+            if beyond not in (0, 1) or (beyond == 1 and messages[-1].get("role") != "assistant"):
+                raise InvalidCheckpointError(
+                    f"{len(messages)} messages stored but the checkpoint holds "
+                    f"{stored.checkpoint_messages}"
+                )
+        transcript.validate(messages, open_tail=True)
+        return messages, unsaved, dict(stored.pending or {}), self._initial_state(stored.state)
+
+    def _initial_state(self, stored: dict[str, Any] | None) -> dict[str, Any]:
+        if stored is not None or self.agent.state is None:
+            return dict(stored or {})
+        try:
+            return self.agent.state().model_dump(mode="json")
+        except Exception:
+            return {}
+
+    def _assemble_tools(self, ctx: RunContext) -> dict[str, Tool]:
+        tools: list[Tool] = []
+        if self.agent.state is not None:
+            tools += make_state_tools(self.agent.state, self.state)
+        tools += self.agent.tools_for(ctx)
+        by_name: dict[str, Tool] = {}
+        for t in tools:
+            if t.name in by_name:
+                raise ValueError(f"agent {self.agent.name!r} has two tools named {t.name!r}")
+            by_name[t.name] = t
+        return by_name
+
+    # -- model steps ---------------------------------------------------------------
+
+    def _check_budget(self) -> None:
+        budget: Budget = self.run.budget or self.agent.budget
+        if self.run.steps_used >= budget.max_steps:
+            self._settle(
+                RunStatus.FAILED,
+                error=RunError(
+                    code="step_budget_exceeded",
+                    message=f"the run used all {budget.max_steps} model steps",
+                ),
+            )
+        if budget.max_tokens is not None and self.run.usage.total_tokens >= budget.max_tokens:
+            self._settle(
+                RunStatus.FAILED,
+                error=RunError(
+                    code="token_budget_exceeded",
+                    message=f"the run used {self.run.usage.total_tokens} of "
+                    f"{budget.max_tokens} tokens",
+                ),
+            )
+
+    def _call_model(self, request: ModelRequest) -> ModelResponse:
+        self._step_started = utcnow()
+        try:
+            response = self.agent.model.complete(request, self.signal)
+        except ModelAborted:
+            self._check_abort()
+            raise
+        except ModelError as exc:
+            self._fail_model(str(exc))
+        except Exception as exc:
+            self._check_abort()
+            self._fail_model(f"{type(exc).__name__}: {exc}")
+        if self.reason is Abort.LEASE_LOST:
+            raise LeaseLostError(self.run.id)
+        problem = _malformed(response)
+        if problem:
+            self._fail_model(f"malformed model reply: {problem}")
+        return response
+
+    def _fail_model(self, message: str) -> None:
+        self._settle(RunStatus.FAILED, error=RunError(code="model_error", message=message))
+
+    def _model_step(self, messages: list[dict[str, Any]], response: ModelResponse) -> None:
+        now = utcnow()
+        index = self.run.steps_used
+        assistant = {"role": "assistant", "content": response.content}
+        calls = response.tool_calls
+        step = NewStep(
+            kind="llm",
+            name=response.model or self.agent.model.name,
+            started_at=self._step_started,
+            finished_at=now,
+            output={
+                "text": response.text,
+                "tool_calls": [{"id": c["id"], "name": c["name"]} for c in calls],
+                "finish_reason": response.stop_reason,
+                "usage": response.usage.model_dump(),
+            },
+        )
+        write = Commit(
+            steps=[step],
+            messages=[*self.unsaved, assistant],
+            usage=response.usage,
+            model_calls=1,
+        )
+        if not calls:
+            write.checkpoint = (index, response.stop_reason)
+            write.state = self._state_to_save()
+            write.status = RunStatus.COMPLETED
+            write.output = response.text
+            write.release_claim = True
+            write.pending = None
+            self._commit(write)
+            raise _Stop
+        self._commit(write)
+        self.unsaved = []
+        messages.append(assistant)
+        self._run_tools(messages, calls, {}, index, response.stop_reason)
+
+    # -- tool steps ---------------------------------------------------------------
+
+    def _run_tools(
+        self,
+        messages: list[dict[str, Any]],
+        calls: list[dict[str, Any]],
+        pending: dict[str, Any],
+        index: int,
+        finish_reason: str,
+    ) -> None:
+        """Run the step's calls in the model's order; pause on the first one awaiting approval."""
+        tool_steps: list[NewStep] = []
+        for call in calls:
+            if self.reason is Abort.LEASE_LOST:
+                raise LeaseLostError(self.run.id)
+            entry = pending.get(call["id"])
+            if entry is not None and entry["status"] in ("done", "needs_approval"):
+                continue
+            approved = entry is not None and entry["status"] == "approved"
+            started = utcnow()
+            outcome = self._tool_call(call, approved, pending, tool_steps)
+            if outcome is None:
+                continue  # now awaiting approval
+            pending[call["id"]] = {
+                "status": "done",
+                "content": outcome.content,
+                "is_error": outcome.is_error,
+            }
+            tool_steps.append(
+                NewStep(
+                    kind="tool",
+                    name=call["name"],
+                    input=call["input"],
+                    output=outcome.output,
+                    error=outcome.error,
+                    started_at=started,
+                    finished_at=utcnow(),
+                )
+            )
+        awaiting = [c for c in calls if pending[c["id"]]["status"] == "needs_approval"]
+        if awaiting:
+            self._pause(awaiting[0], pending, tool_steps, index, finish_reason)
+        results = [
+            transcript.tool_result(c["id"], pending[c["id"]]["content"], pending[c["id"]]["is_error"])
+            for c in calls
+        ]
+        message = transcript.results_message(results)
+        self._commit(
+            Commit(
+                steps=tool_steps,
+                messages=[message],
+                checkpoint=(index, finish_reason),
+                state=self._state_to_save(),
+                pending=None,
+            )
+        )
+        messages.append(message)
+
+    def _tool_call(
+        self,
+        call: dict[str, Any],
+        approved: bool,
+        pending: dict[str, Any],
+        tool_steps: list[NewStep],
+    ) -> _Outcome | None:
+        """One call's outcome, or None when it must wait for an approval."""
+        tool = self.tools.get(call["name"])
+        if tool is None:
+            known = ", ".join(sorted(self.tools)) or "none"
+            return _error("unknown_tool", f"unknown tool {call['name']!r}; available: {known}")
+        try:
+            arguments = tool.validate(call["input"])
+        except ToolInputError as exc:
+            return _error("invalid_input", str(exc))
+        ctx = ToolContext(
+            run=self.run,
+            tool_call_id=call["id"],
+            idempotency_key=f"{self.run.id}:{call['id']}",
+            signal=self.signal,
+        )
+        try:
+            if not approved and tool.requires_approval(arguments, ctx):
+                pending[call["id"]] = {"status": "needs_approval"}
+                return None
+            if tool.effect:
+                return self._effect_call(tool, arguments, ctx, approved)
+            return _ok(tool(arguments, ctx))
+        except FatalToolError as exc:
+            step = NewStep(
+                kind="tool",
+                name=call["name"],
+                input=call["input"],
+                error={"code": "fatal_tool_error", "message": str(exc)},
+                started_at=utcnow(),
+                finished_at=utcnow(),
+            )
+            tool_steps.append(step)
+            self._settle(
+                RunStatus.FAILED,
+                error=RunError(code="fatal_tool_error", message=f"{call['name']}: {exc}"),
+                steps=tool_steps,
+            )
+        except _EffectUnknown:
+            if tool.on_unknown == "approve" and not approved:
+                pending[call["id"]] = {"status": "needs_approval"}
+                return None
+            self._settle(
+                RunStatus.FAILED,
+                error=RunError(
+                    code="effect_outcome_unknown",
+                    message=f"{call['name']} may have run before a crash; "
+                    f"its idempotency key is {ctx.idempotency_key}",
+                ),
+                steps=tool_steps,
+            )
+        except Exception as exc:
+            return _error("tool_error", f"{type(exc).__name__}: {exc}")
+        raise AssertionError("unreachable")
+
+    def _effect_call(
+        self, tool: Tool, arguments: dict[str, Any], ctx: ToolContext, approved: bool
+    ) -> _Outcome:
+        """Run an effect tool at most once per call: intent before, result after."""
+        record = self.effects.get(ctx.tool_call_id)
+        if record is not None and record.done:
+            return _recorded(record.result, record.is_error)
+        if record is not None and tool.on_unknown != "retry" and not approved:
+            raise _EffectUnknown
+        self.store.begin_effect(
+            self.run.id, self.epoch, ctx.tool_call_id, tool.name, ctx.idempotency_key
+        )
+        try:
+            outcome = _ok(tool(arguments, ctx))
+        except FatalToolError:
+            raise
+        except Exception as exc:
+            outcome = _error("tool_error", f"{type(exc).__name__}: {exc}")
+        recorded = outcome.output if not outcome.is_error else outcome.content
+        self.store.finish_effect(
+            self.run.id, self.epoch, ctx.tool_call_id, recorded, outcome.is_error
+        )
+        return outcome
+
+    # -- approvals -------------------------------------------------------------------
+
+    def _wait_point(self, call: dict[str, Any]) -> WaitPoint:
+        return WaitPoint(
+            approval_id=uuid.uuid4().hex,
+            tool_name=call["name"],
+            input=call["input"],
+            expires_at=utcnow() + self.agent.approval_ttl,
+            token_id=uuid.uuid4().hex,
+            tool_call_id=call["id"],
+        )
+
+    def _pause(
+        self,
+        call: dict[str, Any],
+        pending: dict[str, Any],
+        tool_steps: list[NewStep],
+        index: int,
+        finish_reason: str,
+    ) -> None:
+        entry = pending[call["id"]]
+        # A re-pause keeps the wait point (and so the token) it already announced.
+        if "wait" in entry:
+            wait = WaitPoint.model_validate(entry["wait"])
+        else:
+            wait = self._wait_point(call)
+            pending[call["id"]] = {**entry, "wait": wait.model_dump(mode="json")}
+        status = RunStatus.CANCELLED if self.reason is Abort.CANCEL else RunStatus.WAITING
+        committed = self._commit(
+            Commit(
+                steps=tool_steps,
+                checkpoint=(index, finish_reason),
+                state=self._state_to_save(),
+                pending=pending,
+                status=status,
+                waiting=wait if status is RunStatus.WAITING else None,
+                release_claim=True,
+            )
+        )
+        if status is RunStatus.WAITING:
+            self.engine.notify(committed)
+        raise _Stop
+
+    # -- writes --------------------------------------------------------------------------
+
+    def _state_to_save(self) -> dict[str, Any] | None:
+        return self.state.value if self.agent.state is not None else None
+
+    def _commit(self, write: Commit) -> Run:
+        if self.reason is Abort.LEASE_LOST:
+            raise LeaseLostError(self.run.id)
+        committed = self.store.commit(self.run.id, self._guard, write)
+        assert committed is not None  # a running guard raises instead
+        self.run = committed.run
+        self.engine.published(committed)
+        return self.run
+
+    def _check_abort(self) -> None:
+        if not self.signal.is_set() or self.reason is None:
+            return
+        if self.reason is Abort.LEASE_LOST:
+            raise LeaseLostError(self.run.id)
+        if self.reason is Abort.CANCEL:
+            self._settle(RunStatus.CANCELLED)
+        if self.reason is Abort.DRAIN:
+            self._settle(RunStatus.INTERRUPTED)
+        timeout = (self.run.budget or self.agent.budget).timeout_s
+        self._settle(
+            RunStatus.FAILED,
+            error=RunError(code="timeout", message=f"the execution ran past {timeout} s"),
+        )
+
+    def _settle(
+        self,
+        status: RunStatus,
+        *,
+        output: str | None = None,
+        error: RunError | None = None,
+        steps: list[NewStep] | None = None,
+    ) -> None:
+        self._commit(
+            Commit(
+                steps=steps or [],
+                status=status,
+                output=output,
+                error=error,
+                release_claim=True,
+                waiting=None,
+            )
+        )
+        raise _Stop
+
+    def _settle_quietly(self, status: RunStatus, error: RunError) -> None:
+        try:
+            self._settle(status, error=error)
+        except _Stop:
+            pass
+        except Exception as exc:
+            self.engine.report(exc)
+
+
+def _ok(value: Any) -> _Outcome:
+    output, content = result_content(value)
+    return _Outcome(content=content, is_error=False, output=output)
+
+
+def _recorded(value: Any, is_error: bool) -> _Outcome:
+    if is_error:
+        return _Outcome(content=str(value), is_error=True, error={"code": "tool_error", "message": str(value)})
+    return _ok(value)
+
+
+def _error(code: str, message: str) -> _Outcome:
+    return _Outcome(content=message, is_error=True, error={"code": code, "message": message})
+
+
+def _malformed(response: ModelResponse) -> str | None:
+    if not isinstance(response.content, list):
+        return "content is not a list of blocks"
+    seen: set[str] = set()
+    for block in response.content:
+        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
+            return f"not a content block: {block!r}"
+        if block["type"] == "tool_use":
+            if not isinstance(block.get("id"), str) or not block["id"]:
+                return "a tool_use block has no id"
+            if block["id"] in seen:
+                return f"tool_use id {block['id']} is repeated"
+            seen.add(block["id"])
+            if not isinstance(block.get("name"), str) or not block["name"]:
+                return "a tool_use block has no name"
+            if not isinstance(block.get("input"), dict):
+                return f"the input of tool_use {block['id']} is not an object"
+    return None

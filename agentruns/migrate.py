@@ -1,0 +1,44 @@
+"""Applying and checking the Alembic migrations shipped in the package."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from alembic.runtime.migration import MigrationContext
+from alembic.script import ScriptDirectory
+from sqlalchemy.engine import Connection
+
+from agentruns.store.sql import make_engine
+
+_SCRIPTS = str(Path(__file__).parent / "migrations")
+
+
+def _config() -> Config:
+    config = Config()
+    config.set_main_option("script_location", _SCRIPTS)
+    return config
+
+
+@cache
+def head_revision() -> str | None:
+    return ScriptDirectory.from_config(_config()).get_current_head()
+
+
+def current_revision(conn: Connection) -> str | None:
+    return MigrationContext.configure(conn).get_current_revision()
+
+
+def migrate(url: str) -> str | None:
+    """Bring the database at ``url`` up to the newest schema; returns the revision."""
+    engine = make_engine(url)
+    try:
+        with engine.begin() as conn:
+            config = _config()
+            config.attributes["connection"] = conn
+            command.upgrade(config, "head")
+            return current_revision(conn)
+    finally:
+        engine.dispose()

@@ -1,0 +1,70 @@
+"""The model protocol: one call of a chat model over an Anthropic-form transcript."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+from agentruns.runs import Usage
+
+
+class ModelError(Exception):
+    """The model call failed for good (after retries); fails the run with ``model_error``."""
+
+
+class ModelAborted(Exception):
+    """The call was stopped because the execution's abort signal was set."""
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A tool as the model sees it (Anthropic ``tools`` entry)."""
+
+    name: str
+    description: str
+    input_schema: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class ModelRequest:
+    system: str
+    messages: list[dict[str, Any]]
+    tools: list[ToolSpec] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ModelResponse:
+    """One assistant turn in Anthropic form.
+
+    ``content`` holds ``text`` and ``tool_use`` blocks; ``stop_reason`` is the
+    provider's (``end_turn``, ``tool_use``, ``max_tokens``, ...).
+    """
+
+    content: list[dict[str, Any]]
+    stop_reason: str
+    usage: Usage = field(default_factory=Usage)
+    model: str = ""
+
+    @property
+    def tool_calls(self) -> list[dict[str, Any]]:
+        return [b for b in self.content if b.get("type") == "tool_use"]
+
+    @property
+    def text(self) -> str:
+        return "".join(b.get("text", "") for b in self.content if b.get("type") == "text")
+
+
+@runtime_checkable
+class Model(Protocol):
+    """What the engine needs from a model.
+
+    ``complete`` must return within about 100 ms of ``signal`` being set,
+    raising ``ModelAborted``; a failure that retrying won't fix raises
+    ``ModelError``.
+    """
+
+    @property
+    def name(self) -> str: ...
+
+    def complete(self, request: ModelRequest, signal: threading.Event) -> ModelResponse: ...

@@ -1,0 +1,156 @@
+"""The run types: what a run, a step and a checkpoint look like (SPEC §2)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class RunStatus(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    WAITING = "waiting"
+    INTERRUPTED = "interrupted"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    FINAL: ClassVar[frozenset[RunStatus]]
+
+    @property
+    def is_final(self) -> bool:
+        return self in _FINAL
+
+
+_FINAL = frozenset({RunStatus.COMPLETED, RunStatus.FAILED, RunStatus.CANCELLED})
+RunStatus.FINAL = _FINAL
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class Usage(_Model):
+    input_tokens: int = 0
+    output_tokens: int = 0
+    cache_creation_input_tokens: int = 0
+    cache_read_input_tokens: int = 0
+
+    def __add__(self, other: Usage) -> Usage:
+        return Usage(
+            input_tokens=self.input_tokens + other.input_tokens,
+            output_tokens=self.output_tokens + other.output_tokens,
+            cache_creation_input_tokens=self.cache_creation_input_tokens
+            + other.cache_creation_input_tokens,
+            cache_read_input_tokens=self.cache_read_input_tokens + other.cache_read_input_tokens,
+        )
+
+    @property
+    def total_tokens(self) -> int:
+        return self.input_tokens + self.output_tokens
+
+
+class Budget(_Model):
+    max_steps: int = Field(default=25, ge=1)
+    max_tokens: int | None = Field(default=None, ge=1)
+    timeout_s: float | None = Field(default=None, gt=0)
+
+
+def _check_json(value: Any) -> Any:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"payload is not JSON: {exc}") from exc
+    return value
+
+
+class TriggerEnvelope(_Model):
+    source: str
+    trigger: str
+    payload: Any = None
+    id: str | None = None
+    keys: dict[str, str] = Field(default_factory=dict)
+    thread: str | None = None
+    received_at: datetime = Field(default_factory=utcnow)
+
+    _check_payload = field_validator("payload")(classmethod(lambda cls, v: _check_json(v)))
+
+    def first_message(self) -> dict[str, Any]:
+        """The user message a new run starts from: source, trigger and payload only."""
+        body = {"source": self.source, "trigger": self.trigger, "payload": self.payload}
+        return {"role": "user", "content": json.dumps(body, indent=2, sort_keys=True)}
+
+
+class WaitPoint(_Model):
+    kind: Literal["approval"] = "approval"
+    approval_id: str
+    tool_name: str
+    input: Any
+    expires_at: datetime
+    token_id: str
+    notified_at: datetime | None = None
+    tool_call_id: str | None = None
+
+
+class RunError(_Model):
+    code: str
+    message: str
+
+
+class Claim(_Model):
+    owner: str
+    expires_at: datetime
+
+
+class Run(_Model):
+    id: str
+    agent: str
+    status: RunStatus
+    trigger: TriggerEnvelope
+    idempotency_key: str | None = None
+    concurrency_key: str | None = None
+    thread: str | None = None
+    output: str | None = None
+    error: RunError | None = None
+    usage: Usage = Field(default_factory=Usage)
+    steps_used: int = 0
+    waiting: WaitPoint | None = None
+    claim: Claim | None = None
+    cancel_requested: bool = False
+    budget: Budget | None = None
+    created_at: datetime
+    updated_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+StepKind = Literal["llm", "tool", "wait"]
+
+
+class Step(_Model):
+    run_id: str
+    index: int
+    kind: StepKind
+    name: str | None = None
+    input: Any = None
+    output: Any = None
+    error: Any = None
+    started_at: datetime
+    finished_at: datetime
+
+
+class Checkpoint(_Model):
+    run_id: str
+    step_index: int
+    messages: list[dict[str, Any]]
+    finish_reason: str | None = None
+    state: dict[str, Any] | None = None
+    created_at: datetime

@@ -1,0 +1,7 @@
+"""Schedulers: how an execution gets started (in-process threads, or Celery)."""
+
+from agentruns.schedulers.base import Scheduler
+from agentruns.schedulers.celery import CeleryScheduler
+from agentruns.schedulers.local import LocalScheduler
+
+__all__ = ["CeleryScheduler", "LocalScheduler", "Scheduler"]

@@ -1,0 +1,36 @@
+"""Configuration from ``AGENTRUNS_*`` environment variables (read when first used)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="AGENTRUNS_", extra="ignore")
+
+    database_url: str = "sqlite:///agentruns.db"
+    redis_url: str | None = None
+    broker_url: str | None = None
+    secret: str | None = None
+    agents: str = "workers.triage"
+    lease_ttl: float = Field(default=30.0, gt=0)
+    slots: int = Field(default=8, ge=1)
+    requeue_after: float = Field(default=60.0, gt=0)
+    tick_interval: float = Field(default=5.0, gt=0)
+    recover_interval: float = Field(default=15.0, gt=0)
+
+    @property
+    def agent_modules(self) -> list[str]:
+        return [m.strip() for m in self.agents.split(",") if m.strip()]
+
+    @property
+    def effective_broker_url(self) -> str | None:
+        return self.broker_url or self.redis_url
+
+
+@cache
+def get_settings() -> Settings:
+    return Settings()

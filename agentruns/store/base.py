@@ -1,0 +1,155 @@
+"""The store protocol: what the engine asks of the database, in runs, steps and checkpoints."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Protocol
+
+from agentruns.runs import (
+    Budget,
+    Checkpoint,
+    Run,
+    RunError,
+    RunStatus,
+    Step,
+    StepKind,
+    TriggerEnvelope,
+    Usage,
+    WaitPoint,
+)
+
+
+@dataclass(frozen=True)
+class NewRun:
+    id: str
+    agent: str
+    trigger: TriggerEnvelope
+    idempotency_key: str | None
+    concurrency_key: str | None
+    thread: str | None
+    budget: Budget | None
+
+
+@dataclass(frozen=True)
+class NewStep:
+    """A step to append; the store gives it the run's next index."""
+
+    kind: StepKind
+    name: str | None
+    started_at: datetime
+    finished_at: datetime
+    input: Any = None
+    output: Any = None
+    error: Any = None
+
+
+@dataclass(frozen=True)
+class Guard:
+    """The state a write expects the run to be in; a write whose guard fails changes nothing.
+
+    ``epoch`` fences a running run to the execution that claimed it;
+    ``token_id`` binds a waiting run to one wait point.
+    """
+
+    status: RunStatus
+    epoch: int | None = None
+    token_id: str | None = None
+
+
+_UNSET: Any = object()
+
+
+@dataclass
+class Commit:
+    """One atomic write: appended steps and messages, counters, a checkpoint, a settle."""
+
+    steps: list[NewStep] = field(default_factory=list)
+    messages: list[dict[str, Any]] = field(default_factory=list)
+    usage: Usage | None = None
+    model_calls: int = 0
+    # A checkpoint after this write: (step index, finish reason); the message
+    # count is the run's after the append.
+    checkpoint: tuple[int, str | None] | None = None
+    state: dict[str, Any] | None = None
+    pending: dict[str, Any] | None = _UNSET
+    status: RunStatus | None = None
+    output: str | None = None
+    error: RunError | None = None
+    waiting: WaitPoint | None = _UNSET
+    release_claim: bool = False
+
+
+@dataclass(frozen=True)
+class Committed:
+    run: Run
+    steps: list[Step]
+
+
+@dataclass(frozen=True)
+class Claimed:
+    run: Run
+    epoch: int
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """Everything an execution continues from."""
+
+    messages: list[dict[str, Any]]
+    checkpoint_messages: int
+    checkpoint_step: int | None
+    state: dict[str, Any] | None
+    pending: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class EffectRecord:
+    tool_call_id: str
+    tool_name: str
+    idempotency_key: str
+    done: bool
+    result: Any
+    is_error: bool
+
+
+@dataclass(frozen=True)
+class RunRef:
+    """Just enough of a run for the sweeps."""
+
+    id: str
+    status: RunStatus
+    epoch: int
+    updated_at: datetime
+    claim_expires_at: datetime | None
+
+
+class Store(Protocol):
+    def check_schema(self) -> None: ...
+    def create_run(self, new: NewRun) -> tuple[Run, bool]: ...
+    def get_run(self, run_id: str) -> Run: ...
+    def list_runs(
+        self, status: RunStatus | None = None, agent: str | None = None, limit: int = 100
+    ) -> list[Run]: ...
+    def steps(self, run_id: str) -> list[Step]: ...
+    def checkpoint(self, run_id: str) -> Checkpoint | None: ...
+    def transcript(self, run_id: str) -> Transcript: ...
+    def pending(self, run_id: str) -> dict[str, Any] | None: ...
+    def thread_history(self, thread: str, before_run: str) -> list[dict[str, Any]]: ...
+    def claim(self, run_id: str, owner: str, expires_at: datetime) -> Claimed | None: ...
+    def renew_claim(self, run_id: str, epoch: int, expires_at: datetime) -> bool | None: ...
+    def commit(self, run_id: str, guard: Guard, commit: Commit) -> Committed | None: ...
+    def request_cancel(self, run_id: str) -> Run: ...
+    def effects(self, run_id: str) -> dict[str, EffectRecord]: ...
+    def begin_effect(
+        self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
+    ) -> None: ...
+    def finish_effect(
+        self, run_id: str, epoch: int, tool_call_id: str, result: Any, is_error: bool
+    ) -> None: ...
+    def sweep_candidates(self, queued_before: datetime) -> list[RunRef]: ...
+    def requeue(self, ref: RunRef) -> bool: ...
+    def next_queued(self, concurrency_key: str) -> str | None: ...
+    def waiting_runs(self) -> list[Run]: ...
+    def mark_notified(self, run_id: str, token_id: str, at: datetime) -> Run | None: ...
+    def close(self) -> None: ...

@@ -1,0 +1,103 @@
+"""The whole database contract: every table agentruns stores, in one place.
+
+Messages are append-only, one row per message; a run's checkpoint is a
+pointer on its row (step index, message count, finish reason), so the bytes
+written per step do not grow with the transcript.
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+
+metadata = sa.MetaData()
+
+TS = sa.DateTime(timezone=True)
+
+runs = sa.Table(
+    "agentruns_runs",
+    metadata,
+    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("agent", sa.String(200), nullable=False),
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("trigger", sa.JSON, nullable=False),
+    sa.Column("idempotency_key", sa.String(500), unique=True),
+    sa.Column("concurrency_key", sa.String(500)),
+    sa.Column("thread", sa.String(500)),
+    sa.Column("budget", sa.JSON),
+    sa.Column("output", sa.Text),
+    sa.Column("error", sa.JSON),
+    sa.Column("input_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("output_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cache_creation_input_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("cache_read_input_tokens", sa.BigInteger, nullable=False, server_default="0"),
+    sa.Column("steps_used", sa.Integer, nullable=False, server_default="0"),
+    # Next step index and number of stored messages: appends never read the history.
+    sa.Column("step_count", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("message_count", sa.Integer, nullable=False, server_default="0"),
+    # Fencing epoch: bumped by every claim; every write of a running run names it.
+    sa.Column("epoch", sa.Integer, nullable=False, server_default="0"),
+    sa.Column("waiting", sa.JSON),
+    sa.Column("claim_owner", sa.String(200)),
+    sa.Column("claim_expires_at", TS),
+    sa.Column("cancel_requested", sa.Boolean, nullable=False, server_default=sa.false()),
+    # The checkpoint pointer (SPEC §5) and the agent state stored with it.
+    sa.Column("checkpoint_step", sa.Integer),
+    sa.Column("checkpoint_messages", sa.Integer),
+    sa.Column("checkpoint_reason", sa.String(64)),
+    sa.Column("checkpoint_at", TS),
+    sa.Column("state", sa.JSON),
+    # Results and approval answers of the step in progress (see execution.py).
+    sa.Column("pending", sa.JSON),
+    sa.Column("created_at", TS, nullable=False),
+    sa.Column("updated_at", TS, nullable=False),
+    sa.Column("started_at", TS),
+    sa.Column("finished_at", TS),
+    # At most one running run per concurrency key, enforced by the database.
+    sa.Index(
+        "agentruns_runs_one_running_per_key",
+        "concurrency_key",
+        unique=True,
+        postgresql_where=sa.text("status = 'running' AND concurrency_key IS NOT NULL"),
+        sqlite_where=sa.text("status = 'running' AND concurrency_key IS NOT NULL"),
+    ),
+    sa.Index("agentruns_runs_status_updated", "status", "updated_at"),
+    sa.Index("agentruns_runs_key_created", "concurrency_key", "created_at"),
+    sa.Index("agentruns_runs_thread", "thread", "finished_at"),
+)
+
+steps = sa.Table(
+    "agentruns_steps",
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("idx", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("kind", sa.String(8), nullable=False),
+    sa.Column("name", sa.String(200)),
+    sa.Column("input", sa.JSON),
+    sa.Column("output", sa.JSON),
+    sa.Column("error", sa.JSON),
+    sa.Column("started_at", TS, nullable=False),
+    sa.Column("finished_at", TS, nullable=False),
+)
+
+messages = sa.Table(
+    "agentruns_messages",
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
+    sa.Column("body", sa.JSON, nullable=False),
+)
+
+effects = sa.Table(
+    "agentruns_effects",
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("tool_call_id", sa.String(200), primary_key=True),
+    sa.Column("tool_name", sa.String(200), nullable=False),
+    sa.Column("idempotency_key", sa.String(300), nullable=False),
+    # "started" once the intent is recorded, "done" once the result is.
+    sa.Column("status", sa.String(16), nullable=False),
+    sa.Column("result", sa.JSON),
+    sa.Column("is_error", sa.Boolean, nullable=False, server_default=sa.false()),
+    sa.Column("started_at", TS, nullable=False),
+    sa.Column("finished_at", TS),
+)

@@ -1,0 +1,622 @@
+"""SqlStore: the only module that talks to the database (Postgres, or SQLite embedded)."""
+
+from __future__ import annotations
+
+import json
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection, Engine, RowMapping
+from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
+
+from agentruns.errors import LeaseLostError, NotMigratedError, RunNotFoundError
+from agentruns.runs import (
+    Budget,
+    Checkpoint,
+    Claim,
+    Run,
+    RunError,
+    RunStatus,
+    Step,
+    TriggerEnvelope,
+    Usage,
+    WaitPoint,
+    utcnow,
+)
+from agentruns.store import schema
+from agentruns.store.base import (
+    _UNSET,
+    Claimed,
+    Commit,
+    Committed,
+    EffectRecord,
+    Guard,
+    NewRun,
+    RunRef,
+    Transcript,
+)
+
+R = schema.runs
+S = schema.steps
+M = schema.messages
+E = schema.effects
+
+_FINAL = [s.value for s in RunStatus.FINAL]
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+
+
+def _aware(value: datetime | None) -> datetime | None:
+    # SQLite hands back naive datetimes; everything we store is UTC.
+    if value is not None and value.tzinfo is None:
+        return value.replace(tzinfo=UTC)
+    return value
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """A SQLAlchemy engine with compact JSON and, for SQLite, safe concurrent writes."""
+    if url.startswith("postgresql://"):
+        url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    if url.startswith("sqlite"):
+        engine = sa.create_engine(
+            url,
+            json_serializer=_dumps,
+            connect_args={"check_same_thread": False, "timeout": 30},
+            **kwargs,
+        )
+
+        @sa.event.listens_for(engine, "connect")
+        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+            # Let SQLAlchemy's "begin" below decide when a transaction starts.
+            dbapi_conn.isolation_level = None
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        @sa.event.listens_for(engine, "begin")
+        def _on_begin(conn: Connection) -> None:
+            # IMMEDIATE takes the write lock up front, so two writers queue on
+            # busy_timeout instead of failing with "database is locked".
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    kwargs.setdefault("pool_size", 10)
+    kwargs.setdefault("max_overflow", 20)
+    kwargs.setdefault("pool_pre_ping", True)
+    return sa.create_engine(url, json_serializer=_dumps, **kwargs)
+
+
+def _run_from_row(row: RowMapping) -> Run:
+    claim = None
+    if row["claim_owner"] is not None and row["claim_expires_at"] is not None:
+        claim = Claim(owner=row["claim_owner"], expires_at=_aware(row["claim_expires_at"]))
+    return Run(
+        id=row["id"],
+        agent=row["agent"],
+        status=RunStatus(row["status"]),
+        trigger=TriggerEnvelope.model_validate(row["trigger"]),
+        idempotency_key=row["idempotency_key"],
+        concurrency_key=row["concurrency_key"],
+        thread=row["thread"],
+        output=row["output"],
+        error=RunError.model_validate(row["error"]) if row["error"] else None,
+        usage=Usage(
+            input_tokens=row["input_tokens"],
+            output_tokens=row["output_tokens"],
+            cache_creation_input_tokens=row["cache_creation_input_tokens"],
+            cache_read_input_tokens=row["cache_read_input_tokens"],
+        ),
+        steps_used=row["steps_used"],
+        waiting=WaitPoint.model_validate(row["waiting"]) if row["waiting"] else None,
+        claim=claim,
+        cancel_requested=row["cancel_requested"],
+        budget=Budget.model_validate(row["budget"]) if row["budget"] else None,
+        created_at=_aware(row["created_at"]),
+        updated_at=_aware(row["updated_at"]),
+        started_at=_aware(row["started_at"]),
+        finished_at=_aware(row["finished_at"]),
+    )
+
+
+def _step_from_row(row: RowMapping) -> Step:
+    return Step(
+        run_id=row["run_id"],
+        index=row["idx"],
+        kind=row["kind"],
+        name=row["name"],
+        input=row["input"],
+        output=row["output"],
+        error=row["error"],
+        started_at=_aware(row["started_at"]),
+        finished_at=_aware(row["finished_at"]),
+    )
+
+
+class SqlStore:
+    """Runs, steps, messages and effect records in SQL, every write to a run guarded."""
+
+    def __init__(self, url: str, **engine_kwargs: Any) -> None:
+        self.url = url
+        self.engine = make_engine(url, **engine_kwargs)
+        self._checked = False
+
+    # -- schema ------------------------------------------------------------
+
+    def check_schema(self) -> None:
+        """Refuse to work on a database that ``agentruns migrate`` has not brought up to date."""
+        if self._checked:
+            return
+        from agentruns.migrate import current_revision, head_revision
+
+        try:
+            with self.engine.connect() as conn:
+                current = current_revision(conn)
+        except (OperationalError, ProgrammingError) as exc:
+            raise NotMigratedError(
+                f"cannot read the schema version of {self._safe_url()}: {exc.orig}"
+            ) from exc
+        if current != head_revision():
+            raise NotMigratedError(
+                f"the database {self._safe_url()} is not migrated "
+                f"(at {current or 'nothing'}, need {head_revision()}): run `agentruns migrate`"
+            )
+        self._checked = True
+
+    def _safe_url(self) -> str:
+        return self.engine.url.render_as_string(hide_password=True)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # -- runs --------------------------------------------------------------
+
+    def create_run(self, new: NewRun) -> tuple[Run, bool]:
+        now = utcnow()
+        values = {
+            "id": new.id,
+            "agent": new.agent,
+            "status": RunStatus.QUEUED.value,
+            "trigger": new.trigger.model_dump(mode="json"),
+            "idempotency_key": new.idempotency_key,
+            "concurrency_key": new.concurrency_key,
+            "thread": new.thread,
+            "budget": new.budget.model_dump(mode="json") if new.budget else None,
+            "created_at": now,
+            "updated_at": now,
+        }
+        insert = self._insert(R).values(**values)
+        if new.idempotency_key is not None:
+            insert = insert.on_conflict_do_nothing(index_elements=["idempotency_key"])
+        with self.engine.begin() as conn:
+            row = conn.execute(insert.returning(*R.c)).mappings().first()
+            if row is not None:
+                return _run_from_row(row), True
+            existing = (
+                conn.execute(sa.select(R).where(R.c.idempotency_key == new.idempotency_key))
+                .mappings()
+                .one()
+            )
+            return _run_from_row(existing), False
+
+    def _insert(self, table: sa.Table) -> Any:
+        if self.engine.dialect.name == "postgresql":
+            from sqlalchemy.dialects.postgresql import insert as pg_insert
+
+            return pg_insert(table)
+        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+
+        return sqlite_insert(table)
+
+    def get_run(self, run_id: str) -> Run:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(R).where(R.c.id == run_id)).mappings().first()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        return _run_from_row(row)
+
+    def list_runs(
+        self, status: RunStatus | None = None, agent: str | None = None, limit: int = 100
+    ) -> list[Run]:
+        query = sa.select(R).order_by(R.c.created_at.desc(), R.c.id).limit(limit)
+        if status is not None:
+            query = query.where(R.c.status == RunStatus(status).value)
+        if agent is not None:
+            query = query.where(R.c.agent == agent)
+        with self.engine.connect() as conn:
+            return [_run_from_row(r) for r in conn.execute(query).mappings()]
+
+    def steps(self, run_id: str) -> list[Step]:
+        with self.engine.connect() as conn:
+            self._require(conn, run_id)
+            rows = conn.execute(sa.select(S).where(S.c.run_id == run_id).order_by(S.c.idx))
+            return [_step_from_row(r) for r in rows.mappings()]
+
+    def _require(self, conn: Connection, run_id: str) -> RowMapping:
+        row = conn.execute(sa.select(R).where(R.c.id == run_id)).mappings().first()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        return row
+
+    def _messages(self, conn: Connection, run_id: str, upto: int | None) -> list[dict[str, Any]]:
+        query = sa.select(M.c.body).where(M.c.run_id == run_id).order_by(M.c.seq)
+        if upto is not None:
+            query = query.where(M.c.seq < upto)
+        return [r[0] for r in conn.execute(query)]
+
+    def checkpoint(self, run_id: str) -> Checkpoint | None:
+        with self.engine.connect() as conn:
+            row = self._require(conn, run_id)
+            if row["checkpoint_step"] is None:
+                return None
+            return Checkpoint(
+                run_id=run_id,
+                step_index=row["checkpoint_step"],
+                messages=self._messages(conn, run_id, row["checkpoint_messages"]),
+                finish_reason=row["checkpoint_reason"],
+                state=row["state"],
+                created_at=_aware(row["checkpoint_at"]),
+            )
+
+    def transcript(self, run_id: str) -> Transcript:
+        with self.engine.connect() as conn:
+            row = self._require(conn, run_id)
+            return Transcript(
+                messages=self._messages(conn, run_id, None),
+                checkpoint_messages=row["checkpoint_messages"] or 0,
+                checkpoint_step=row["checkpoint_step"],
+                state=row["state"],
+                pending=row["pending"],
+            )
+
+    def pending(self, run_id: str) -> dict[str, Any] | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(sa.select(R.c.pending).where(R.c.id == run_id)).first()
+        if row is None:
+            raise RunNotFoundError(run_id)
+        return row[0]  # type: ignore[no-any-return]
+
+    def thread_history(self, thread: str, before_run: str) -> list[dict[str, Any]]:
+        """The transcript of the thread's latest completed run other than ``before_run``."""
+        with self.engine.connect() as conn:
+            prev = conn.execute(
+                sa.select(R.c.id, R.c.checkpoint_messages)
+                .where(
+                    R.c.thread == thread,
+                    R.c.status == RunStatus.COMPLETED.value,
+                    R.c.id != before_run,
+                )
+                .order_by(R.c.finished_at.desc())
+                .limit(1)
+            ).first()
+            if prev is None:
+                return []
+            return self._messages(conn, prev[0], prev[1])
+
+    # -- claims and guarded writes -------------------------------------------
+
+    def claim(self, run_id: str, owner: str, expires_at: datetime) -> Claimed | None:
+        """queued -> running with a new epoch; None if not queued or its key is busy."""
+        now = utcnow()
+        older = R.alias("older")
+        # Oldest first per concurrency key: a run waits while an older one of its key is queued.
+        no_older = ~sa.exists(
+            sa.select(older.c.id).where(
+                older.c.concurrency_key == R.c.concurrency_key,
+                older.c.status == RunStatus.QUEUED.value,
+                sa.or_(
+                    older.c.created_at < R.c.created_at,
+                    sa.and_(older.c.created_at == R.c.created_at, older.c.id < R.c.id),
+                ),
+            )
+        )
+        stmt = (
+            R.update()
+            .where(R.c.id == run_id, R.c.status == RunStatus.QUEUED.value)
+            .where(sa.or_(R.c.concurrency_key.is_(None), no_older))
+            .values(
+                status=RunStatus.RUNNING.value,
+                epoch=R.c.epoch + 1,
+                claim_owner=owner,
+                claim_expires_at=expires_at,
+                started_at=sa.func.coalesce(R.c.started_at, now),
+                updated_at=now,
+            )
+            .returning(*R.c)
+        )
+        try:
+            with self.engine.begin() as conn:
+                row = conn.execute(stmt).mappings().first()
+        except IntegrityError:
+            return None  # another run of the same concurrency key is running
+        if row is None:
+            return None
+        return Claimed(run=_run_from_row(row), epoch=row["epoch"])
+
+    def renew_claim(self, run_id: str, epoch: int, expires_at: datetime) -> bool | None:
+        """Extend the claim; None if this epoch lost the run, else its ``cancel_requested``."""
+        with self.engine.begin() as conn:
+            row = conn.execute(
+                R.update()
+                .where(
+                    R.c.id == run_id,
+                    R.c.status == RunStatus.RUNNING.value,
+                    R.c.epoch == epoch,
+                )
+                .values(claim_expires_at=expires_at)
+                .returning(R.c.cancel_requested)
+            ).first()
+            return None if row is None else bool(row[0])
+
+    def commit(self, run_id: str, guard: Guard, commit: Commit) -> Committed | None:
+        """Apply one write atomically if the run still matches ``guard``.
+
+        A running guard that matches no row means another engine owns the run:
+        that raises ``LeaseLostError``. Other guards return None.
+        """
+        now = utcnow()
+        n_steps, n_msgs = len(commit.steps), len(commit.messages)
+        values: dict[str, Any] = {"updated_at": now}
+        if n_steps:
+            values["step_count"] = R.c.step_count + n_steps
+        if n_msgs:
+            values["message_count"] = R.c.message_count + n_msgs
+        if commit.model_calls:
+            values["steps_used"] = R.c.steps_used + commit.model_calls
+        if commit.usage is not None:
+            u = commit.usage
+            values["input_tokens"] = R.c.input_tokens + u.input_tokens
+            values["output_tokens"] = R.c.output_tokens + u.output_tokens
+            values["cache_creation_input_tokens"] = (
+                R.c.cache_creation_input_tokens + u.cache_creation_input_tokens
+            )
+            values["cache_read_input_tokens"] = (
+                R.c.cache_read_input_tokens + u.cache_read_input_tokens
+            )
+        if commit.checkpoint is not None:
+            values["checkpoint_step"] = commit.checkpoint[0]
+            values["checkpoint_reason"] = commit.checkpoint[1]
+            values["checkpoint_messages"] = R.c.message_count + n_msgs
+            values["checkpoint_at"] = now
+        if commit.state is not None:
+            values["state"] = commit.state
+        if commit.pending is not _UNSET:
+            values["pending"] = commit.pending
+        if commit.status is not None:
+            values["status"] = commit.status.value
+            if commit.status.is_final:
+                values["finished_at"] = now
+        if commit.output is not None:
+            values["output"] = commit.output
+        if commit.error is not None:
+            values["error"] = commit.error.model_dump(mode="json")
+        if commit.waiting is not _UNSET:
+            values["waiting"] = (
+                commit.waiting.model_dump(mode="json") if commit.waiting is not None else None
+            )
+        if commit.release_claim:
+            values["claim_owner"] = None
+            values["claim_expires_at"] = None
+
+        stmt = R.update().where(R.c.id == run_id, R.c.status == guard.status.value)
+        if guard.epoch is not None:
+            stmt = stmt.where(R.c.epoch == guard.epoch)
+        if guard.token_id is not None:
+            stmt = stmt.where(self._token_id_expr() == guard.token_id)
+        stmt = stmt.values(**values).returning(*R.c)
+
+        with self.engine.begin() as conn:
+            row = conn.execute(stmt).mappings().first()
+            if row is None:
+                if guard.status == RunStatus.RUNNING:
+                    raise LeaseLostError(run_id)
+                return None
+            first_step = row["step_count"] - n_steps
+            first_msg = row["message_count"] - n_msgs
+            steps = [
+                Step(
+                    run_id=run_id,
+                    index=first_step + i,
+                    kind=s.kind,
+                    name=s.name,
+                    input=s.input,
+                    output=s.output,
+                    error=s.error,
+                    started_at=s.started_at,
+                    finished_at=s.finished_at,
+                )
+                for i, s in enumerate(commit.steps)
+            ]
+            if steps:
+                conn.execute(
+                    S.insert(),
+                    [
+                        {
+                            "run_id": run_id,
+                            "idx": s.index,
+                            "kind": s.kind,
+                            "name": s.name,
+                            "input": s.input,
+                            "output": s.output,
+                            "error": s.error,
+                            "started_at": s.started_at,
+                            "finished_at": s.finished_at,
+                        }
+                        for s in steps
+                    ],
+                )
+            if n_msgs:
+                conn.execute(
+                    M.insert(),
+                    [
+                        {"run_id": run_id, "seq": first_msg + i, "body": m}
+                        for i, m in enumerate(commit.messages)
+                    ],
+                )
+        return Committed(run=_run_from_row(row), steps=steps)
+
+    def _token_id_expr(self) -> Any:
+        if self.engine.dialect.name == "postgresql":
+            return R.c.waiting["token_id"].astext
+        return sa.func.json_extract(R.c.waiting, "$.token_id")
+
+    def request_cancel(self, run_id: str) -> Run:
+        """Cancel a queued, waiting or interrupted run at once; flag a running one."""
+        now = utcnow()
+        with self.engine.begin() as conn:
+            stoppable = [RunStatus.QUEUED.value, RunStatus.WAITING.value]
+            stoppable.append(RunStatus.INTERRUPTED.value)
+            row = conn.execute(
+                R.update()
+                .where(R.c.id == run_id, R.c.status.in_(stoppable))
+                .values(
+                    status=RunStatus.CANCELLED.value,
+                    waiting=None,
+                    claim_owner=None,
+                    claim_expires_at=None,
+                    updated_at=now,
+                    finished_at=now,
+                )
+                .returning(*R.c)
+            ).mappings().first()
+            if row is None:
+                row = conn.execute(
+                    R.update()
+                    .where(R.c.id == run_id, R.c.status == RunStatus.RUNNING.value)
+                    .values(cancel_requested=True, updated_at=now)
+                    .returning(*R.c)
+                ).mappings().first()
+            if row is None:
+                row = self._require(conn, run_id)
+            return _run_from_row(row)
+
+    # -- effect records --------------------------------------------------------
+
+    def effects(self, run_id: str) -> dict[str, EffectRecord]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(sa.select(E).where(E.c.run_id == run_id)).mappings()
+            return {
+                r["tool_call_id"]: EffectRecord(
+                    tool_call_id=r["tool_call_id"],
+                    tool_name=r["tool_name"],
+                    idempotency_key=r["idempotency_key"],
+                    done=r["status"] == "done",
+                    result=r["result"],
+                    is_error=r["is_error"],
+                )
+                for r in rows
+            }
+
+    def _fence(self, conn: Connection, run_id: str, epoch: int) -> None:
+        # Locks the run row for the transaction, so a new claim waits for this write.
+        result = conn.execute(
+            R.update()
+            .where(R.c.id == run_id, R.c.status == RunStatus.RUNNING.value, R.c.epoch == epoch)
+            .values(epoch=R.c.epoch)
+        )
+        if result.rowcount != 1:
+            raise LeaseLostError(run_id)
+
+    def begin_effect(
+        self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
+    ) -> None:
+        """Record the intent to call an effect tool (kept if one is already recorded)."""
+        with self.engine.begin() as conn:
+            self._fence(conn, run_id, epoch)
+            conn.execute(
+                self._insert(E)
+                .values(
+                    run_id=run_id,
+                    tool_call_id=tool_call_id,
+                    tool_name=tool_name,
+                    idempotency_key=key,
+                    status="started",
+                    started_at=utcnow(),
+                )
+                .on_conflict_do_nothing(index_elements=["run_id", "tool_call_id"])
+            )
+
+    def finish_effect(
+        self, run_id: str, epoch: int, tool_call_id: str, result: Any, is_error: bool
+    ) -> None:
+        with self.engine.begin() as conn:
+            self._fence(conn, run_id, epoch)
+            conn.execute(
+                E.update()
+                .where(E.c.run_id == run_id, E.c.tool_call_id == tool_call_id)
+                .values(status="done", result=result, is_error=is_error, finished_at=utcnow())
+            )
+
+    # -- sweeps ----------------------------------------------------------------
+
+    def sweep_candidates(self, queued_before: datetime) -> list[RunRef]:
+        """Interrupted and running runs, and queued runs untouched since ``queued_before``."""
+        query = sa.select(R.c.id, R.c.status, R.c.epoch, R.c.updated_at, R.c.claim_expires_at)
+        query = query.where(
+            sa.or_(
+                R.c.status.in_([RunStatus.INTERRUPTED.value, RunStatus.RUNNING.value]),
+                sa.and_(R.c.status == RunStatus.QUEUED.value, R.c.updated_at < queued_before),
+            )
+        ).order_by(R.c.created_at)
+        with self.engine.connect() as conn:
+            return [
+                RunRef(
+                    id=r.id,
+                    status=RunStatus(r.status),
+                    epoch=r.epoch,
+                    updated_at=_aware(r.updated_at) or utcnow(),
+                    claim_expires_at=_aware(r.claim_expires_at),
+                )
+                for r in conn.execute(query)
+            ]
+
+    def requeue(self, ref: RunRef) -> bool:
+        """Put a run back to queued if it is still exactly as swept (so one sweeper wins)."""
+        stmt = R.update().where(
+            R.c.id == ref.id, R.c.status == ref.status.value, R.c.epoch == ref.epoch
+        )
+        if ref.status == RunStatus.QUEUED:
+            stmt = stmt.where(R.c.updated_at == ref.updated_at)
+        stmt = stmt.values(
+            status=RunStatus.QUEUED.value,
+            claim_owner=None,
+            claim_expires_at=None,
+            updated_at=utcnow(),
+        )
+        with self.engine.begin() as conn:
+            return conn.execute(stmt).rowcount == 1
+
+    def next_queued(self, concurrency_key: str) -> str | None:
+        with self.engine.connect() as conn:
+            row = conn.execute(
+                sa.select(R.c.id)
+                .where(
+                    R.c.concurrency_key == concurrency_key,
+                    R.c.status == RunStatus.QUEUED.value,
+                )
+                .order_by(R.c.created_at, R.c.id)
+                .limit(1)
+            ).first()
+            return row[0] if row else None
+
+    def waiting_runs(self) -> list[Run]:
+        with self.engine.connect() as conn:
+            rows = conn.execute(
+                sa.select(R).where(R.c.status == RunStatus.WAITING.value).order_by(R.c.created_at)
+            ).mappings()
+            return [_run_from_row(r) for r in rows]
+
+    def mark_notified(self, run_id: str, token_id: str, at: datetime) -> Run | None:
+        run = self.get_run(run_id)
+        if run.waiting is None or run.waiting.token_id != token_id:
+            return None
+        waiting = run.waiting.model_copy(update={"notified_at": at})
+        committed = self.commit(
+            run_id,
+            Guard(status=RunStatus.WAITING, token_id=token_id),
+            Commit(waiting=waiting),
+        )
+        return committed.run if committed else None

@@ -1,0 +1,201 @@
+"""Tools: the ``@tool`` decorator, their input schemas, and the context a tool is called with."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal, get_type_hints, overload
+
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic_core import to_jsonable_python
+
+from agentruns.models.base import ToolSpec
+from agentruns.runs import Run
+
+OnUnknown = Literal["retry", "approve", "fail"]
+NeedsApproval = bool | Callable[[dict[str, Any], "ToolContext"], bool]
+
+
+@dataclass(frozen=True)
+class ToolContext:
+    """What a tool may know about the call it serves.
+
+    ``idempotency_key`` is stable across re-executions of the same call, so
+    an outside system can deduplicate a side effect the engine could not record.
+    """
+
+    run: Run
+    tool_call_id: str
+    idempotency_key: str
+    signal: threading.Event
+
+
+class ToolInputError(Exception):
+    """The model passed arguments that don't fit the tool's schema."""
+
+
+class Tool:
+    """A function the model may call, with its schema and how the engine must treat it."""
+
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        *,
+        name: str | None = None,
+        description: str | None = None,
+        effect: bool = False,
+        needs_approval: NeedsApproval = False,
+        on_unknown: OnUnknown = "retry",
+        input_model: type[BaseModel] | None = None,
+    ) -> None:
+        if on_unknown not in ("retry", "approve", "fail"):
+            raise ValueError(f"on_unknown must be retry, approve or fail, not {on_unknown!r}")
+        self.fn = fn
+        self.name = name or fn.__name__
+        self.description = description or inspect.getdoc(fn) or self.name
+        self.effect = effect
+        self.needs_approval = needs_approval
+        self.on_unknown: OnUnknown = on_unknown
+        self._ctx_param: str | None = None
+        self.input_model = input_model or self._model_from_signature(fn)
+        self.spec = ToolSpec(
+            name=self.name,
+            description=self.description,
+            input_schema=self.input_model.model_json_schema(),
+        )
+
+    def _model_from_signature(self, fn: Callable[..., Any]) -> type[BaseModel]:
+        hints = get_type_hints(fn)
+        fields: dict[str, Any] = {}
+        for param in inspect.signature(fn).parameters.values():
+            annotation = hints.get(param.name, Any)
+            if annotation is ToolContext:
+                self._ctx_param = param.name
+                continue
+            default = ... if param.default is inspect.Parameter.empty else param.default
+            fields[param.name] = (annotation, default)
+        return create_model(  # type: ignore[call-overload,no-any-return]
+            f"{self.name}_input",
+            __config__=ConfigDict(extra="forbid"),
+            **fields,
+        )
+
+    def validate(self, arguments: Any) -> dict[str, Any]:
+        if not isinstance(arguments, dict):
+            raise ToolInputError(f"arguments of {self.name} must be an object")
+        try:
+            parsed = self.input_model.model_validate(arguments)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg']}"
+                for e in exc.errors()
+            )
+            raise ToolInputError(f"invalid arguments for {self.name}: {problems}") from None
+        return {name: getattr(parsed, name) for name in type(parsed).model_fields}
+
+    def requires_approval(self, arguments: dict[str, Any], ctx: ToolContext) -> bool:
+        if callable(self.needs_approval):
+            return bool(self.needs_approval(arguments, ctx))
+        return bool(self.needs_approval)
+
+    def __call__(self, arguments: dict[str, Any], ctx: ToolContext) -> Any:
+        kwargs = dict(arguments)
+        if self._ctx_param is not None:
+            kwargs[self._ctx_param] = ctx
+        return self.fn(**kwargs)
+
+    def __repr__(self) -> str:
+        return f"Tool({self.name!r}, effect={self.effect})"
+
+
+@overload
+def tool(fn: Callable[..., Any], /) -> Tool: ...
+
+
+@overload
+def tool(
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    effect: bool = False,
+    needs_approval: NeedsApproval = False,
+    on_unknown: OnUnknown = "retry",
+) -> Callable[[Callable[..., Any]], Tool]: ...
+
+
+def tool(
+    fn: Callable[..., Any] | None = None,
+    /,
+    *,
+    name: str | None = None,
+    description: str | None = None,
+    effect: bool = False,
+    needs_approval: NeedsApproval = False,
+    on_unknown: OnUnknown = "retry",
+) -> Tool | Callable[[Callable[..., Any]], Tool]:
+    """Make a function a tool; its docstring is the description, its type hints the schema."""
+
+    def wrap(f: Callable[..., Any]) -> Tool:
+        return Tool(
+            f,
+            name=name,
+            description=description,
+            effect=effect,
+            needs_approval=needs_approval,
+            on_unknown=on_unknown,
+        )
+
+    return wrap(fn) if fn is not None else wrap
+
+
+def as_tool(value: Tool | Callable[..., Any]) -> Tool:
+    return value if isinstance(value, Tool) else Tool(value)
+
+
+def result_content(value: Any) -> tuple[Any, str]:
+    """A tool's return value as (JSON value for the step row, text for the model)."""
+    jsonable = to_jsonable_python(value)
+    text = jsonable if isinstance(jsonable, str) else json.dumps(jsonable, sort_keys=True)
+    return jsonable, text
+
+
+def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]:
+    """``read_state`` and ``update_state`` over an agent's pydantic state."""
+
+    def read_state() -> dict[str, Any]:
+        return holder.value
+
+    def update_state(**changes: Any) -> dict[str, Any]:
+        merged = {**holder.value, **{k: v for k, v in changes.items() if v is not None}}
+        holder.value = state_model.model_validate(merged).model_dump(mode="json")
+        return holder.value
+
+    update_fields: dict[str, Any] = {
+        name: (field.annotation | None, None) for name, field in state_model.model_fields.items()
+    }
+    update_model = create_model(  # type: ignore[call-overload]
+        "update_state_input", __config__=ConfigDict(extra="forbid"), **update_fields
+    )
+    read_model = create_model("read_state_input", __config__=ConfigDict(extra="forbid"))
+    return [
+        Tool(
+            read_state,
+            description="Read the agent's saved state; returns it as a JSON object.",
+            input_model=read_model,
+        ),
+        Tool(
+            update_state,
+            description="Merge the given fields into the agent's saved state; returns the new state.",
+            input_model=update_model,
+        ),
+    ]
+
+
+class StateHolder:
+    """The agent state of one execution, written with the next checkpoint."""
+
+    def __init__(self, value: dict[str, Any]) -> None:
+        self.value = value

@@ -1,0 +1,74 @@
+"""Checks that a transcript is one the provider will accept, and finds the step in progress."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from agentruns.errors import InvalidCheckpointError
+
+Message = dict[str, Any]
+
+
+def tool_calls(message: Message) -> list[dict[str, Any]]:
+    content = message.get("content")
+    if not isinstance(content, list):
+        return []
+    return [b for b in content if isinstance(b, dict) and b.get("type") == "tool_use"]
+
+
+def text_of(message: Message) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    return "".join(
+        b.get("text", "") for b in content or [] if isinstance(b, dict) and b.get("type") == "text"
+    )
+
+
+def validate(messages: list[Message], *, open_tail: bool) -> None:
+    """Raise ``InvalidCheckpointError`` unless the transcript can be sent to the model.
+
+    Roles alternate from a user message; every ``tool_use`` is answered by a
+    ``tool_result`` in the next message. With ``open_tail``, the last message
+    may be an assistant turn whose calls are still unanswered (the step in
+    progress, or a step paused on an approval).
+    """
+    if not messages:
+        raise InvalidCheckpointError("the transcript is empty")
+    expected = "user"
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") != expected:
+            raise InvalidCheckpointError(f"message {i} should be a {expected} message")
+        if not isinstance(message.get("content"), str | list):
+            raise InvalidCheckpointError(f"message {i} has no content")
+        if expected == "assistant":
+            calls = tool_calls(message)
+            if calls and i + 1 < len(messages):
+                _check_answered(calls, messages[i + 1], i + 1)
+            elif calls and not open_tail:
+                raise InvalidCheckpointError(f"the tool calls of message {i} are unanswered")
+        expected = "assistant" if expected == "user" else "user"
+
+
+def _check_answered(calls: list[dict[str, Any]], answer: Message, index: int) -> None:
+    content = answer.get("content")
+    blocks = content if isinstance(content, list) else []
+    answered = {
+        b.get("tool_use_id")
+        for b in blocks
+        if isinstance(b, dict) and b.get("type") == "tool_result"
+    }
+    missing = [c.get("id") for c in calls if c.get("id") not in answered]
+    if missing:
+        raise InvalidCheckpointError(f"message {index} does not answer tool calls {missing}")
+
+
+def results_message(results: list[dict[str, Any]]) -> Message:
+    return {"role": "user", "content": results}
+
+
+def tool_result(tool_use_id: str, content: str, is_error: bool) -> dict[str, Any]:
+    block: dict[str, Any] = {"type": "tool_result", "tool_use_id": tool_use_id, "content": content}
+    if is_error:
+        block["is_error"] = True
+    return block

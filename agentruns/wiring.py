@@ -1,0 +1,48 @@
+"""Building an engine from settings: the store, leases, scheduler and agents they name."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from agentruns.agent import Agent
+from agentruns.settings import Settings, get_settings
+
+if TYPE_CHECKING:
+    from agentruns.engine import Engine
+
+
+def load_agents(modules: list[str]) -> list[Agent]:
+    """Every ``Agent`` defined at module level in the given modules."""
+    found: list[Agent] = []
+    for name in modules:
+        module = importlib.import_module(name)
+        for value in vars(module).values():
+            if isinstance(value, Agent) and value not in found:
+                found.append(value)
+    return found
+
+
+def engine_from_settings(settings: Settings | None = None, **overrides: Any) -> Engine:
+    from agentruns.engine import Engine
+    from agentruns.leases import LocalLeases, RedisLeases
+    from agentruns.schedulers import CeleryScheduler, LocalScheduler
+    from agentruns.store import SqlStore
+
+    s = settings or get_settings()
+    kwargs: dict[str, Any] = {
+        "store": SqlStore(s.database_url),
+        "agents": load_agents(s.agent_modules),
+        "secret": s.secret,
+        "slots": s.slots,
+        "lease_ttl": s.lease_ttl,
+        "requeue_after": s.requeue_after,
+    }
+    if s.redis_url:
+        kwargs["leases"] = RedisLeases(s.redis_url)
+        kwargs["scheduler"] = CeleryScheduler()
+    else:
+        kwargs["leases"] = LocalLeases()
+        kwargs["scheduler"] = LocalScheduler()
+    kwargs.update(overrides)
+    return Engine(**kwargs)

@@ -1,0 +1,465 @@
+"""AnthropicModel through the real anthropic SDK against a local Messages API server.
+
+Anthropic's API can't be reached from tests, so fake_anthropic.py stands in for
+it at the HTTP level: everything from the SDK down (request building, SSE
+parsing, error classes, headers) is the real thing.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import anthropic
+import pytest
+from fake_anthropic import (
+    FakeAnthropic,
+    dropped,
+    error,
+    reply,
+    slow,
+    text,
+    thinking,
+    tool_use,
+    usage,
+)
+
+from agentruns.models import ModelAborted, ModelError, ModelRequest, ToolSpec
+from agentruns.models.anthropic import AnthropicModel
+from agentruns.runs import Usage
+
+EPHEMERAL = {"type": "ephemeral"}
+SEARCH = ToolSpec(
+    name="search_issues",
+    description="Search the tracker.",
+    input_schema={
+        "type": "object",
+        "properties": {"query": {"type": "string"}, "limit": {"type": "integer", "default": 5}},
+        "required": ["query"],
+    },
+)
+
+
+@pytest.fixture
+def fake() -> Iterator[FakeAnthropic]:
+    with FakeAnthropic() as server:
+        yield server
+
+
+def make_model(fake: FakeAnthropic, **kwargs: Any) -> AnthropicModel:
+    kwargs.setdefault("retry_base_s", 0.001)
+    kwargs.setdefault("retry_cap_s", 0.01)
+    # The SDK client keeps its default max_retries=2: the model must switch it off.
+    return AnthropicModel("claude-test", client=fake.client(), **kwargs)
+
+
+def request(
+    messages: list[dict[str, Any]] | None = None,
+    *,
+    system: str = "You triage bug reports.",
+    tools: list[ToolSpec] | None = None,
+) -> ModelRequest:
+    return ModelRequest(
+        system=system,
+        messages=messages if messages is not None else [{"role": "user", "content": "hi"}],
+        tools=tools if tools is not None else [SEARCH],
+    )
+
+
+def tool_loop_transcript() -> list[dict[str, Any]]:
+    return [
+        {"role": "user", "content": '{"source": "github", "payload": {"issue": 7}}'},
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": "Looking."},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "search_issues",
+                    "input": {"query": "crash"},
+                },
+            ],
+        },
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "[]"}],
+        },
+    ]
+
+
+def reverse_keys(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {key: reverse_keys(value[key]) for key in reversed(list(value))}
+    if isinstance(value, list):
+        return [reverse_keys(item) for item in value]
+    return value
+
+
+# --- the request ------------------------------------------------------------
+
+
+def test_request_carries_cached_system_tools_and_marks_only_the_newest_message(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(reply(text("Done.")))
+    transcript = tool_loop_transcript()
+    before = [dict(m) for m in transcript]
+
+    make_model(fake, max_tokens=1000).complete(request(transcript), threading.Event())
+
+    [sent] = fake.requests
+    body = sent.body
+    assert sent.path == "/v1/messages"
+    assert sent.api_key == "test"
+    assert body["model"] == "claude-test"
+    assert body["max_tokens"] == 1000
+    assert body["stream"] is True
+    assert body["system"] == [
+        {"type": "text", "text": "You triage bug reports.", "cache_control": EPHEMERAL}
+    ]
+    assert body["tools"] == [
+        {
+            "name": "search_issues",
+            "description": "Search the tracker.",
+            "input_schema": SEARCH.input_schema,
+        }
+    ]
+    assert body["messages"][:2] == transcript[:2]
+    assert body["messages"][2] == {
+        "role": "user",
+        "content": [
+            {
+                "type": "tool_result",
+                "tool_use_id": "toolu_1",
+                "content": "[]",
+                "cache_control": EPHEMERAL,
+            }
+        ],
+    }
+    assert transcript == before  # the engine's messages are never mutated
+
+
+def test_string_content_of_the_newest_message_becomes_one_cached_text_block(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(reply(text("Hello.")))
+    make_model(fake).complete(request([{"role": "user", "content": "hi"}]), threading.Event())
+
+    assert fake.requests[0].body["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": EPHEMERAL}]}
+    ]
+
+
+def test_empty_instructions_and_no_tools_send_neither_field(fake: FakeAnthropic) -> None:
+    fake.push(reply(text("Hello.")))
+    make_model(fake).complete(request(system="", tools=[]), threading.Event())
+
+    assert "system" not in fake.requests[0].body
+    assert "tools" not in fake.requests[0].body
+
+
+def test_the_same_transcript_serialises_to_the_same_bytes_whatever_its_key_order(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(reply(text("a")), reply(text("b")))
+    transcript = tool_loop_transcript()
+    model = make_model(fake)
+
+    model.complete(request(transcript), threading.Event())
+    # As a store that sorts keys its own way (Postgres JSONB) would hand it back.
+    model.complete(request(reverse_keys(transcript)), threading.Event())
+
+    assert fake.requests[0].raw == fake.requests[1].raw
+
+
+def test_extra_create_kwargs_reach_the_request_body(fake: FakeAnthropic) -> None:
+    fake.push(reply(text("ok")))
+    model = make_model(fake, temperature=0.0, stop_sequences=["STOP"])
+    model.complete(request(), threading.Event())
+
+    assert fake.requests[0].body["temperature"] == 0.0
+    assert fake.requests[0].body["stop_sequences"] == ["STOP"]
+
+
+# --- the response -----------------------------------------------------------
+
+
+def test_tool_use_reply_parses_into_tool_use_blocks_with_parsed_input(fake: FakeAnthropic) -> None:
+    fake.push(
+        reply(
+            text("Let me search."),
+            tool_use("search_issues", {"query": "crash on start", "limit": 3}, id="toolu_9"),
+        )
+    )
+    response = make_model(fake).complete(request(), threading.Event())
+
+    assert response.stop_reason == "tool_use"
+    assert response.content == [
+        {"type": "text", "text": "Let me search."},
+        {
+            "type": "tool_use",
+            "id": "toolu_9",
+            "name": "search_issues",
+            "input": {"query": "crash on start", "limit": 3},
+        },
+    ]
+    assert response.tool_calls == [response.content[1]]
+    assert response.model == "claude-test"
+
+
+def test_usage_including_cache_tokens_comes_from_the_server(fake: FakeAnthropic) -> None:
+    fake.push(reply(text("Done."), usage=usage(1200, 42, cache_creation=800, cache_read=300)))
+    response = make_model(fake).complete(request(), threading.Event())
+
+    assert response.usage == Usage(
+        input_tokens=1200,
+        output_tokens=42,
+        cache_creation_input_tokens=800,
+        cache_read_input_tokens=300,
+    )
+
+
+def test_thinking_blocks_are_kept_as_returned_so_they_can_be_sent_back(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(reply(thinking("The user wants a search.", "sig-1"), text("Searching.")))
+    response = make_model(fake).complete(request(), threading.Event())
+
+    assert response.content == [
+        {"type": "thinking", "thinking": "The user wants a search.", "signature": "sig-1"},
+        {"type": "text", "text": "Searching."},
+    ]
+
+
+# --- retries ----------------------------------------------------------------
+
+
+def test_two_overloaded_errors_then_success_take_exactly_three_requests(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(error(529), error(529), reply(text("Finally.")))
+    response = make_model(fake).complete(request(), threading.Event())
+
+    assert response.text == "Finally."
+    assert len(fake.requests) == 3
+
+
+@pytest.mark.parametrize("status", [408, 409, 429, 500, 503, 529])
+def test_transient_status_is_retried(fake: FakeAnthropic, status: int) -> None:
+    fake.push(error(status), reply(text("ok")))
+    assert make_model(fake).complete(request(), threading.Event()).text == "ok"
+    assert len(fake.requests) == 2
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
+def test_client_error_fails_at_once_with_model_error(fake: FakeAnthropic, status: int) -> None:
+    fake.push(error(status, message="messages: roles must alternate"), reply(text("unused")))
+
+    with pytest.raises(ModelError, match="roles must alternate"):
+        make_model(fake).complete(request(), threading.Event())
+    assert len(fake.requests) == 1
+
+
+def test_authentication_error_says_to_check_the_api_key(fake: FakeAnthropic) -> None:
+    fake.push(error(401, message="invalid x-api-key"))
+    with pytest.raises(ModelError, match="ANTHROPIC_API_KEY"):
+        make_model(fake).complete(request(), threading.Event())
+
+
+def test_permanent_overload_fails_after_max_retries_plus_one_requests(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(*[error(529, message="Overloaded") for _ in range(10)])
+
+    with pytest.raises(ModelError, match=r"after 3 tries: overloaded_error .*Overloaded"):
+        make_model(fake, max_retries=2).complete(request(), threading.Event())
+    assert len(fake.requests) == 3
+
+
+def test_zero_max_retries_means_a_single_try(fake: FakeAnthropic) -> None:
+    fake.push(error(529), reply(text("unused")))
+    with pytest.raises(ModelError):
+        make_model(fake, max_retries=0).complete(request(), threading.Event())
+    assert len(fake.requests) == 1
+
+
+@pytest.mark.parametrize(
+    "header", [{"retry_after_ms": 300}, {"retry_after": 0.3}], ids=["retry-after-ms", "retry-after"]
+)
+def test_retry_after_header_sets_the_wait_before_the_next_try(
+    fake: FakeAnthropic, header: dict[str, float]
+) -> None:
+    fake.push(error(429, **header), reply(text("ok")))
+    make_model(fake).complete(request(), threading.Event())
+
+    first, second = fake.requests
+    assert 0.28 <= second.at - first.at < 2.0
+
+
+def test_overloaded_error_inside_the_stream_is_retried(fake: FakeAnthropic) -> None:
+    fake.push(reply(text("x"), stream_error="overloaded_error"), reply(text("ok")))
+    assert make_model(fake).complete(request(), threading.Event()).text == "ok"
+    assert len(fake.requests) == 2
+
+
+def test_invalid_request_error_inside_the_stream_fails_at_once(fake: FakeAnthropic) -> None:
+    fake.push(reply(text("x"), stream_error="invalid_request_error"), reply(text("unused")))
+    with pytest.raises(ModelError, match="invalid_request_error"):
+        make_model(fake).complete(request(), threading.Event())
+    assert len(fake.requests) == 1
+
+
+def test_a_stream_cut_off_mid_body_is_retried(fake: FakeAnthropic) -> None:
+    fake.push(dropped(), reply(text("ok")))
+    assert make_model(fake).complete(request(), threading.Event()).text == "ok"
+    assert len(fake.requests) == 2
+
+
+def test_unreachable_server_fails_with_a_connection_message_after_retries() -> None:
+    with socket.socket() as probe:  # a port that was free a moment ago: nothing listens
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    client = anthropic.Anthropic(api_key="test", base_url=f"http://127.0.0.1:{port}")
+    model = AnthropicModel("claude-test", client=client, max_retries=1, retry_base_s=0.001)
+
+    with pytest.raises(ModelError, match=r"could not reach the Anthropic API .* after 2 tries"):
+        model.complete(request(), threading.Event())
+
+
+# --- aborts -----------------------------------------------------------------
+
+
+def test_abort_during_a_slow_stream_raises_within_half_a_second(fake: FakeAnthropic) -> None:
+    fake.push(slow(30.0))
+    signal = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            make_model(fake).complete(request(), signal)
+        except BaseException as exc:
+            outcome["error"] = exc
+        outcome["done_at"] = time.monotonic()
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    [stalled] = fake.wait_for_requests(1)
+    assert stalled.stalled.wait(5)  # message_start sent; the server now says nothing
+    time.sleep(0.1)
+    set_at = time.monotonic()
+    signal.set()
+    caller.join(timeout=5)
+
+    assert isinstance(outcome.get("error"), ModelAborted)
+    assert outcome["done_at"] - set_at < 0.5
+    assert stalled.disconnected.wait(1)  # the HTTP response was closed, not left hanging
+
+
+def test_abort_during_the_retry_wait_stops_it_early(fake: FakeAnthropic) -> None:
+    fake.push(error(529, retry_after=30), reply(text("unused")))
+    signal = threading.Event()
+    threading.Timer(0.2, signal.set).start()
+
+    started = time.monotonic()
+    with pytest.raises(ModelAborted):
+        make_model(fake).complete(request(), signal)
+    assert time.monotonic() - started < 1.0
+    assert len(fake.requests) == 1
+
+
+def test_an_already_set_signal_sends_nothing(fake: FakeAnthropic) -> None:
+    signal = threading.Event()
+    signal.set()
+    with pytest.raises(ModelAborted):
+        make_model(fake).complete(request(), signal)
+    assert fake.requests == []
+
+
+# --- stop reasons -------------------------------------------------------------
+
+
+def test_pause_turn_continues_with_the_assistant_content_and_merges_the_turn(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(
+        reply(text("Searching the web..."), stop_reason="pause_turn", usage=usage(100, 10)),
+        reply(text("Found it."), usage=usage(150, 20, cache_read=90)),
+    )
+    response = make_model(fake).complete(request(), threading.Event())
+
+    assert response.stop_reason == "end_turn"
+    assert response.content == [
+        {"type": "text", "text": "Searching the web..."},
+        {"type": "text", "text": "Found it."},
+    ]
+    assert response.usage == Usage(input_tokens=250, output_tokens=30, cache_read_input_tokens=90)
+    first, second = fake.requests
+    assert second.messages[0] == {"role": "user", "content": "hi"}
+    assert second.messages[1] == {
+        "role": "assistant",
+        "content": [{"type": "text", "text": "Searching the web...", "cache_control": EPHEMERAL}],
+    }
+    assert second.body["system"] == first.body["system"]
+
+
+def test_refusal_fails_with_model_error(fake: FakeAnthropic) -> None:
+    fake.push(reply(text("I can't help with that."), stop_reason="refusal"))
+    with pytest.raises(ModelError, match="refused"):
+        make_model(fake).complete(request(), threading.Event())
+
+
+def test_max_tokens_inside_a_tool_call_fails_instead_of_leaving_it_unanswered(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(
+        reply(
+            text("Searching."),
+            tool_use("search_issues", partial_json='{"query": "cra'),
+            stop_reason="max_tokens",
+        )
+    )
+    with pytest.raises(ModelError, match=r"cut off \(stop_reason=max_tokens\)"):
+        make_model(fake).complete(request(), threading.Event())
+    assert len(fake.requests) == 1
+
+
+def test_max_tokens_with_only_text_is_returned_as_it_is(fake: FakeAnthropic) -> None:
+    fake.push(reply(text("A long answer that got cu"), stop_reason="max_tokens"))
+    response = make_model(fake).complete(request(), threading.Event())
+
+    assert response.stop_reason == "max_tokens"
+    assert response.text == "A long answer that got cu"
+    assert response.tool_calls == []
+
+
+def test_context_window_exceeded_inside_a_tool_call_fails(fake: FakeAnthropic) -> None:
+    fake.push(
+        reply(
+            tool_use("search_issues", {"query": "x"}),
+            stop_reason="model_context_window_exceeded",
+        )
+    )
+    with pytest.raises(ModelError, match="model_context_window_exceeded"):
+        make_model(fake).complete(request(), threading.Event())
+
+
+def test_name_is_the_model_id() -> None:
+    assert AnthropicModel("claude-sonnet-4-5").name == "claude-sonnet-4-5"
+
+
+def test_the_default_client_is_created_only_when_first_called(
+    monkeypatch: pytest.MonkeyPatch, fake: FakeAnthropic
+) -> None:
+    monkeypatch.setenv("ANTHROPIC_API_KEY", "from-env")
+    monkeypatch.setenv("ANTHROPIC_BASE_URL", fake.url)
+    model = AnthropicModel("claude-test", retry_base_s=0.001)
+    assert fake.requests == []
+    fake.push(error(529), reply(text("ok")))
+
+    assert model.complete(request(), threading.Event()).text == "ok"
+    assert fake.requests[0].api_key == "from-env"
+    assert len(fake.requests) == 2  # the default client doesn't retry on its own either

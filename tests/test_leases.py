@@ -1,0 +1,263 @@
+"""The lease contract, run against RedisLeases (the real Redis) and LocalLeases alike."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import redis
+
+from agentruns.leases import Leases, LocalLeases, RedisLeases
+
+REDIS_URL = "redis://127.0.0.1:6379/0"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def prefix() -> Iterator[str]:
+    prefix = f"agentruns-test-{uuid.uuid4().hex}"
+    yield prefix
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(f"{prefix}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+@pytest.fixture(params=["redis", "local"])
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def leases(kind: str, prefix: str) -> Iterator[Leases]:
+    made: Leases = RedisLeases(REDIS_URL, prefix=prefix) if kind == "redis" else LocalLeases()
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def elsewhere(kind: str, prefix: str, leases: Leases) -> Iterator[Leases]:
+    """The same leases as another engine sees them: for Redis, another client
+    (as in another process); in-process leases are shared by being the same object."""
+    if kind == "local":
+        yield leases
+        return
+    other = RedisLeases(REDIS_URL, prefix=prefix)
+    yield other
+    other.close()
+
+
+def collector() -> tuple[Callable[[str], None], queue.Queue[str]]:
+    received: queue.Queue[str] = queue.Queue()
+    return received.put, received
+
+
+def test_both_implementations_satisfy_the_protocol(leases: Leases) -> None:
+    assert isinstance(leases, Leases)
+
+
+def test_acquire_is_exclusive(leases: Leases) -> None:
+    assert leases.acquire("run-1", "a", 5)
+    assert not leases.acquire("run-1", "b", 5)
+    assert not leases.acquire("run-1", "a", 5)
+    assert leases.holder("run-1") == "a"
+    assert leases.acquire("run-2", "b", 5)
+
+
+def test_another_owner_can_acquire_after_the_ttl_expires(leases: Leases) -> None:
+    assert leases.acquire("run-1", "a", 0.1)
+    time.sleep(0.2)
+    assert leases.holder("run-1") is None
+    assert leases.acquire("run-1", "b", 5)
+    assert leases.holder("run-1") == "b"
+
+
+def test_renew_by_another_owner_fails_and_does_not_extend_the_lease(leases: Leases) -> None:
+    assert leases.acquire("run-1", "a", 0.3)
+    assert not leases.renew("run-1", "b", 5)
+    time.sleep(0.4)
+    assert leases.holder("run-1") is None
+
+
+def test_renew_by_the_owner_extends_the_lease(leases: Leases) -> None:
+    assert leases.acquire("run-1", "a", 0.3)
+    assert leases.renew("run-1", "a", 5)
+    time.sleep(0.4)
+    assert leases.holder("run-1") == "a"
+    assert not leases.acquire("run-1", "b", 5)
+
+
+def test_renew_of_an_expired_lease_fails(leases: Leases) -> None:
+    assert leases.acquire("run-1", "a", 0.1)
+    time.sleep(0.2)
+    assert not leases.renew("run-1", "a", 5)
+    assert leases.holder("run-1") is None
+
+
+def test_release_by_another_owner_does_nothing(leases: Leases) -> None:
+    assert leases.acquire("run-1", "a", 5)
+    assert not leases.release("run-1", "b")
+    assert leases.holder("run-1") == "a"
+
+
+def test_release_by_the_owner_frees_the_lease(leases: Leases) -> None:
+    assert leases.acquire("run-1", "a", 5)
+    assert leases.release("run-1", "a")
+    assert leases.holder("run-1") is None
+    assert leases.acquire("run-1", "b", 5)
+
+
+def test_abort_request_reaches_a_handler_registered_by_another_engine(
+    leases: Leases, elsewhere: Leases
+) -> None:
+    handler, received = collector()
+    elsewhere.on_abort_request(handler)
+    leases.request_abort("run-1")
+    assert received.get(timeout=1) == "run-1"
+
+
+def test_unsubscribed_handler_receives_no_more_aborts(leases: Leases, elsewhere: Leases) -> None:
+    gone, gone_received = collector()
+    stays, stays_received = collector()
+    unsubscribe = elsewhere.on_abort_request(gone)
+    elsewhere.on_abort_request(stays)
+    unsubscribe()
+    leases.request_abort("run-1")
+    # Handlers are called in registration order, so `gone` would have had it by now.
+    assert stays_received.get(timeout=1) == "run-1"
+    assert gone_received.empty()
+
+
+def test_a_raising_handler_does_not_stop_delivery_to_others(
+    leases: Leases, elsewhere: Leases, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(run_id: str) -> None:
+        raise RuntimeError("boom")
+
+    handler, received = collector()
+    elsewhere.on_abort_request(broken)
+    elsewhere.on_abort_request(handler)
+    with caplog.at_level(logging.ERROR, logger="agentruns.leases"):
+        leases.request_abort("run-1")
+        assert received.get(timeout=1) == "run-1"
+        leases.request_abort("run-2")
+        assert received.get(timeout=1) == "run-2"
+    assert any("abort handler" in record.getMessage() for record in caplog.records)
+
+
+# Redis only: what the in-process implementation cannot do.
+
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    from agentruns.leases import RedisLeases
+
+    leases = RedisLeases({url!r}, prefix={prefix!r})
+    assert leases.acquire("run-1", "other-process", {ttl!r})
+    print("held", flush=True)
+    sys.stdin.read()  # hold until the parent closes our stdin
+    leases.release("run-1", "other-process")
+    leases.close()
+    """
+)
+
+
+def hold_in_another_process(prefix: str, ttl: float) -> subprocess.Popen[str]:
+    code = HOLDER.format(url=REDIS_URL, prefix=prefix, ttl=ttl)
+    child = subprocess.Popen(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline().strip() == "held"
+    return child
+
+
+def test_a_lease_held_by_another_process_blocks_acquisition_until_released(
+    prefix: str,
+) -> None:
+    leases = RedisLeases(REDIS_URL, prefix=prefix)
+    child = hold_in_another_process(prefix, ttl=30)
+    try:
+        assert not leases.acquire("run-1", "this-process", 5)
+        assert leases.holder("run-1") == "other-process"
+        assert not leases.renew("run-1", "this-process", 5)
+        assert not leases.release("run-1", "this-process")
+    finally:
+        child.communicate(timeout=10)
+    assert child.returncode == 0
+    assert leases.acquire("run-1", "this-process", 5)
+    leases.close()
+
+
+def test_a_lease_of_a_killed_process_frees_after_its_ttl(prefix: str) -> None:
+    leases = RedisLeases(REDIS_URL, prefix=prefix)
+    child = hold_in_another_process(prefix, ttl=0.5)
+    child.kill()
+    child.communicate(timeout=10)
+    assert not leases.acquire("run-1", "this-process", 5)
+    time.sleep(0.6)
+    assert leases.acquire("run-1", "this-process", 5)
+    leases.close()
+
+
+def test_abort_listener_resubscribes_after_its_connection_is_killed(prefix: str) -> None:
+    name = f"{prefix}-listener"
+    listening = RedisLeases(prefix=prefix, client=redis.Redis.from_url(REDIS_URL, client_name=name))
+    publishing = RedisLeases(REDIS_URL, prefix=prefix)
+    admin = redis.Redis.from_url(REDIS_URL, decode_responses=True)
+    handler, received = collector()
+    listening.on_abort_request(handler)
+
+    killed = [c["id"] for c in admin.client_list(_type="pubsub") if c["name"] == name]
+    assert killed
+    for client_id in killed:
+        admin.client_kill_filter(_id=client_id)
+
+    # Aborts published while it reconnects are lost, so keep asking.
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        publishing.request_abort("run-1")
+        try:
+            assert received.get(timeout=0.2) == "run-1"
+            break
+        except queue.Empty:
+            continue
+    else:
+        pytest.fail("the listener did not come back within 5 s")
+    for made in (listening, publishing):
+        made.close()
+    admin.close()
+
+
+def test_commands_against_an_unreachable_redis_raise_redis_errors(prefix: str) -> None:
+    leases = RedisLeases("redis://127.0.0.1:1/0", prefix=prefix)  # constructing connects nowhere
+    started = time.monotonic()
+    with pytest.raises(redis.RedisError):
+        leases.acquire("run-1", "a", 5)
+    with pytest.raises(redis.RedisError):
+        leases.renew("run-1", "a", 5)
+    with pytest.raises(redis.RedisError):
+        leases.release("run-1", "a")
+    assert time.monotonic() - started < 5
+    leases.close()
+
+
+def test_close_stops_the_abort_listener(prefix: str) -> None:
+    leases = RedisLeases(REDIS_URL, prefix=prefix)
+    leases.on_abort_request(lambda run_id: None)
+    leases.close()
+    assert not [t for t in threading.enumerate() if t.name.endswith(f"[{prefix}]")]

@@ -1,0 +1,127 @@
+"""Fixtures: a fresh Postgres database per test session, a Redis prefix per test, engines.
+
+Postgres and Redis are the real services on 127.0.0.1 (``make test`` starts them);
+``AGENTRUNS_TEST_PG`` and ``AGENTRUNS_TEST_REDIS`` point elsewhere.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import psycopg
+import pytest
+import redis
+
+from agentruns import Engine, LocalLeases, LocalScheduler, RedisLeases, SqlStore
+from agentruns.migrate import migrate
+from agentruns.store import schema
+
+PG_ADMIN = os.environ.get("AGENTRUNS_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
+REDIS_URL = os.environ.get("AGENTRUNS_TEST_REDIS", "redis://127.0.0.1:6379/0")
+
+
+def _pg_url(database: str) -> str:
+    base, _, _ = PG_ADMIN.rpartition("/")
+    return f"{base.replace('postgresql://', 'postgresql+psycopg://', 1)}/{database}"
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> Iterator[str]:
+    """A database of its own for this session, migrated, dropped at the end."""
+    name = f"agentruns_test_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    url = _pg_url(name)
+    migrate(url)
+    yield url
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+@pytest.fixture
+def db_url(pg_url: str) -> str:
+    """The session database, emptied before the test."""
+    tables = ", ".join(t.name for t in schema.metadata.sorted_tables)
+    with psycopg.connect(pg_url.replace("+psycopg", "", 1), autocommit=True) as conn:
+        conn.execute(f"TRUNCATE {tables}")
+    return pg_url
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Any) -> str:
+    url = f"sqlite:///{tmp_path / 'agentruns.db'}"
+    migrate(url)
+    return url
+
+
+@pytest.fixture
+def redis_prefix() -> Iterator[str]:
+    prefix = f"agentruns-test-{uuid.uuid4().hex[:10]}"
+    yield prefix
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = list(client.scan_iter(f"{prefix}:*"))
+    if keys:
+        client.delete(*keys)
+    client.close()
+
+
+class Errors(list[Exception]):
+    """What engines reported to ``on_error`` during a test."""
+
+    def of(self, kind: type[Exception]) -> list[Exception]:
+        return [e for e in self if isinstance(e, kind)]
+
+
+@pytest.fixture
+def errors() -> Errors:
+    return Errors()
+
+
+EngineFactory = Callable[..., Engine]
+
+
+@pytest.fixture
+def make_engine(db_url: str, redis_prefix: str, errors: Errors) -> Iterator[EngineFactory]:
+    """Engines on the real Postgres and Redis, closed at the end of the test."""
+    engines: list[Engine] = []
+
+    def factory(agents: list[Any], **kwargs: Any) -> Engine:
+        kwargs.setdefault("leases", RedisLeases(REDIS_URL, prefix=redis_prefix))
+        kwargs.setdefault("scheduler", LocalScheduler())
+        kwargs.setdefault("secret", "test-secret")
+        kwargs.setdefault("lease_ttl", 2.0)
+        kwargs.setdefault("on_error", errors.append)
+        engine = Engine(SqlStore(db_url), agents=agents, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.close()
+
+
+@pytest.fixture
+def make_sqlite_engine(sqlite_url: str, errors: Errors) -> Iterator[EngineFactory]:
+    """The embedded default: SQLite, in-process leases and scheduler."""
+    engines: list[Engine] = []
+
+    def factory(agents: list[Any], **kwargs: Any) -> Engine:
+        kwargs.setdefault("leases", LocalLeases())
+        kwargs.setdefault("scheduler", LocalScheduler())
+        kwargs.setdefault("secret", "test-secret")
+        kwargs.setdefault("on_error", errors.append)
+        engine = Engine(SqlStore(sqlite_url), agents=agents, **kwargs)
+        engines.append(engine)
+        return engine
+
+    yield factory
+    for engine in engines:
+        engine.close()
+
+
+def trigger(payload: Any = None, **fields: Any) -> dict[str, Any]:
+    """A manual trigger envelope as a dict."""
+    return {"source": "manual", "trigger": "manual", "payload": payload, **fields}

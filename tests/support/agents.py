@@ -1,0 +1,101 @@
+"""Agents shared by tests and the helper processes they kill, stop and restart.
+
+Tools append lines to the file named by ``AGENTRUNS_TEST_LOG`` so a test can
+count calls across processes. ``AGENTRUNS_TEST_HANG`` names a tool that hangs
+in the process where it is set (so the test can kill it at that point).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from agentruns import Agent, Budget, ToolContext, tool
+from agentruns.models import ScriptedModel, text, tool_use
+
+
+def log(line: str) -> None:
+    path = os.environ.get("AGENTRUNS_TEST_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def hang_here(name: str) -> None:
+    if os.environ.get("AGENTRUNS_TEST_HANG") == name:
+        log(f"hanging {name}")
+        time.sleep(3600)
+
+
+@tool
+def note(text: str) -> str:
+    """Write a note."""
+    log(f"note {text}")
+    hang_here("note")
+    return f"noted {text}"
+
+
+@tool
+def slow() -> str:
+    """Take a while."""
+    log("slow")
+    hang_here("slow")
+    return "slow done"
+
+
+@tool(effect=True)
+def charge(amount: int, ctx: ToolContext) -> dict[str, Any]:
+    """Charge a card: a side effect that must happen once."""
+    log(f"charge {ctx.idempotency_key}")
+    hang_here("charge")
+    return {"charged": amount, "key": ctx.idempotency_key}
+
+
+@tool(effect=True, on_unknown="fail")
+def charge_or_fail(amount: int, ctx: ToolContext) -> dict[str, Any]:
+    """Charge, failing the run if a crash leaves the outcome unknown."""
+    log(f"charge {ctx.idempotency_key}")
+    hang_here("charge")
+    return {"charged": amount}
+
+
+STEPS = [
+    tool_use("note", {"text": "one"}),
+    tool_use("note", {"text": "two"}),
+    tool_use("note", {"text": "three"}),
+    text("Done."),
+]
+
+# Model latency lets a test act while a model call is in flight.
+LATENCY = float(os.environ.get("AGENTRUNS_TEST_LATENCY", "0.3"))
+
+steps_agent = Agent(
+    "steps",
+    ScriptedModel(STEPS, latency_s=LATENCY),
+    instructions="Take notes.",
+    tools=[note],
+    budget=Budget(max_steps=10),
+)
+
+effect_agent = Agent(
+    "effects",
+    ScriptedModel([[tool_use("charge", {"amount": 5}), tool_use("slow", {})], text("Charged.")]),
+    tools=[charge, slow],
+)
+
+unknown_retry_agent = Agent(
+    "unknown_retry",
+    ScriptedModel([tool_use("charge", {"amount": 7}), text("Charged.")]),
+    tools=[charge],
+)
+
+unknown_fail_agent = Agent(
+    "unknown_fail",
+    ScriptedModel([tool_use("charge_or_fail", {"amount": 7}), text("Charged.")]),
+    tools=[charge_or_fail],
+)
+
+AGENTS = [steps_agent, effect_agent, unknown_retry_agent, unknown_fail_agent]

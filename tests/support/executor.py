@@ -1,0 +1,37 @@
+"""A helper process: one engine executing one run, to be killed or stopped by a test.
+
+    python -m tests.support.executor DB_URL REDIS_PREFIX RUN_ID [LEASE_TTL]
+
+Errors reported to ``on_error`` are logged as ``error <ClassName>`` lines.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from agentruns import Engine, RedisLeases, SqlStore
+from tests.conftest import REDIS_URL
+from tests.support.agents import AGENTS, log
+from tests.support.schedulers import ManualScheduler
+
+
+def main() -> None:
+    db_url, prefix, run_id = sys.argv[1:4]
+    lease_ttl = float(sys.argv[4]) if len(sys.argv) > 4 else 1.0
+    engine = Engine(
+        SqlStore(db_url),
+        leases=RedisLeases(REDIS_URL, prefix=prefix),
+        scheduler=ManualScheduler(),
+        agents=AGENTS,
+        secret="test-secret",
+        lease_ttl=lease_ttl,
+        on_error=lambda exc: log(f"error {type(exc).__name__}"),
+    )
+    log(f"executor started {run_id}")
+    run = engine.execute(run_id)
+    log(f"executor finished {run.status.value}")
+    engine.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,415 @@
+"""One execution and the engine around it, on the real Postgres and Redis."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+from pydantic import BaseModel
+
+from agentruns import (
+    Agent,
+    Budget,
+    FatalToolError,
+    InvalidTriggerError,
+    RunNotFoundError,
+    RunStatus,
+    ToolContext,
+    UnknownAgentError,
+    Usage,
+    tool,
+)
+from agentruns.models import ScriptedModel, text, tool_use
+from tests.conftest import EngineFactory, Errors, trigger
+from tests.support.schedulers import ManualScheduler
+
+
+@tool
+def search_issues(query: str, limit: int = 5) -> list[dict[str, Any]]:
+    """Search the tracker."""
+    return [{"id": i, "title": f"{query} {i}"} for i in range(limit)]
+
+
+def wait_for(predicate: Any, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.02)
+
+
+def test_happy_run_appends_dense_steps_and_sums_usage(make_engine: EngineFactory) -> None:
+    model = ScriptedModel(
+        [tool_use("search_issues", {"query": "crash", "limit": 2}), text("Found two.")],
+        usage=Usage(input_tokens=10, output_tokens=5),
+    )
+    agent = Agent("triage", model, instructions="Triage.", tools=[search_issues])
+    engine = make_engine([agent])
+    events: list[tuple[str, Any]] = []
+    engine.on("run.updated", lambda e: events.append(("run", e.run.status if e.run else None)))
+    engine.on("step.appended", lambda e: events.append(("step", e.step.kind if e.step else None)))
+
+    run = engine.dispatch(
+        "triage", trigger({"title": "App crashes"}, id="evt-1", keys={"repo": "acme/app"})
+    )
+    assert engine.idle(10)
+    run = engine.get_run(run.id)
+
+    assert run.status is RunStatus.COMPLETED
+    assert run.output == "Found two."
+    assert run.usage.input_tokens == 20 and run.usage.output_tokens == 10
+    assert run.steps_used == 2
+    assert run.claim is None and run.finished_at is not None
+    steps = engine.steps(run.id)
+    assert [(s.index, s.kind, s.name) for s in steps] == [
+        (0, "llm", "scripted"),
+        (1, "tool", "search_issues"),
+        (2, "llm", "scripted"),
+    ]
+    assert steps[1].input == {"query": "crash", "limit": 2}
+    assert steps[1].output == [{"id": 0, "title": "crash 0"}, {"id": 1, "title": "crash 1"}]
+
+    first = model.calls[0][0]
+    assert first["role"] == "user"
+    assert json.loads(first["content"]) == {
+        "source": "manual",
+        "trigger": "manual",
+        "payload": {"title": "App crashes"},
+    }
+    assert events == [
+        ("run", RunStatus.QUEUED),
+        ("run", RunStatus.RUNNING),
+        ("step", "llm"),
+        ("run", RunStatus.RUNNING),
+        ("step", "tool"),
+        ("run", RunStatus.RUNNING),
+        ("step", "llm"),
+        ("run", RunStatus.COMPLETED),
+    ]
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None
+    assert checkpoint.step_index == 1 and checkpoint.finish_reason == "end_turn"
+    assert [m["role"] for m in checkpoint.messages] == ["user", "assistant", "user", "assistant"]
+
+
+def test_concurrent_dispatch_of_one_idempotency_key_makes_one_run(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine(
+        [Agent("triage", ScriptedModel([text("ok")]))], scheduler=ManualScheduler()
+    )
+    barrier = threading.Barrier(8)
+    ids: list[str] = []
+
+    def go() -> None:
+        barrier.wait()
+        ids.append(engine.dispatch("triage", trigger({"n": 1}, id="same")).id)
+
+    threads = [threading.Thread(target=go) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(ids) == 8 and len(set(ids)) == 1
+    assert len(engine.list_runs()) == 1
+
+
+def test_dispatch_refuses_unknown_agent_and_non_json_payload_storing_nothing(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine([Agent("triage", ScriptedModel([text("ok")]))])
+    with pytest.raises(UnknownAgentError):
+        engine.dispatch("nobody", trigger({}))
+    with pytest.raises(InvalidTriggerError):
+        engine.dispatch("triage", trigger({"bad": {1, 2}}))
+    with pytest.raises(InvalidTriggerError):
+        engine.dispatch("triage", {"source": "manual"})
+    with pytest.raises(InvalidTriggerError):
+        engine.dispatch("triage", trigger(float("nan")))
+    assert engine.list_runs() == []
+    with pytest.raises(RunNotFoundError):
+        engine.get_run("no-such-run")
+
+
+def _run_to_end(engine: Any, agent: str = "a", **kwargs: Any) -> Any:
+    run = engine.dispatch(agent, trigger({}), **kwargs)
+    assert engine.idle(10)
+    return engine.get_run(run.id)
+
+
+def test_step_budget_fails_the_run_with_its_code(make_engine: EngineFactory) -> None:
+    model = ScriptedModel([tool_use("search_issues", {"query": "x"})])  # never answers
+    engine = make_engine([Agent("a", model, tools=[search_issues], budget=Budget(max_steps=3))])
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None and run.error.code == "step_budget_exceeded"
+    assert run.steps_used == 3 and len(model.calls) == 3
+
+
+def test_token_budget_fails_the_run_with_its_code(make_engine: EngineFactory) -> None:
+    model = ScriptedModel(
+        [tool_use("search_issues", {"query": "x"})], usage=Usage(input_tokens=60, output_tokens=0)
+    )
+    agent = Agent("a", model, tools=[search_issues], budget=Budget(max_tokens=100))
+    run = _run_to_end(make_engine([agent]))
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None and run.error.code == "token_budget_exceeded"
+    assert run.usage.input_tokens == 120
+
+
+def test_timeout_fails_the_execution_with_its_code(make_engine: EngineFactory) -> None:
+    model = ScriptedModel([text("late")], latency_s=5.0)
+    agent = Agent("a", model, budget=Budget(timeout_s=0.3))
+    started = time.monotonic()
+    run = _run_to_end(make_engine([agent]))
+    assert time.monotonic() - started < 3
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None and run.error.code == "timeout"
+
+
+def test_dispatch_budget_overrides_the_agents(make_engine: EngineFactory) -> None:
+    model = ScriptedModel([tool_use("search_issues", {"query": "x"})])
+    engine = make_engine([Agent("a", model, tools=[search_issues])])
+    run = _run_to_end(engine, budget=Budget(max_steps=2))
+    assert run.error is not None and run.error.code == "step_budget_exceeded"
+    assert run.steps_used == 2
+
+
+def test_fatal_tool_error_fails_the_run(make_engine: EngineFactory) -> None:
+    @tool
+    def explode() -> str:
+        """Fail hard."""
+        raise FatalToolError("the tracker is gone")
+
+    agent = Agent("a", ScriptedModel([tool_use("explode"), text("never")]), tools=[explode])
+    run = _run_to_end(make_engine([agent]))
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None and run.error.code == "fatal_tool_error"
+    assert "the tracker is gone" in run.error.message
+
+
+def test_tool_errors_invalid_arguments_and_unknown_tools_reach_the_model(
+    make_engine: EngineFactory,
+) -> None:
+    @tool
+    def flaky(n: int) -> int:
+        """Fails for odd numbers."""
+        if n % 2:
+            raise ValueError("odd")
+        return n
+
+    model = ScriptedModel(
+        [
+            [
+                tool_use("flaky", {"n": 1}),
+                tool_use("flaky", {"n": "not a number"}),
+                tool_use("nope", {}),
+                tool_use("flaky", {"n": 2}),
+            ],
+            text("Handled."),
+        ]
+    )
+    engine = make_engine([Agent("a", model, tools=[flaky])])
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.COMPLETED
+    results = model.calls[1][-1]["content"]
+    assert [r.get("is_error", False) for r in results] == [True, True, True, False]
+    assert "ValueError: odd" in results[0]["content"]
+    assert "invalid arguments for flaky" in results[1]["content"]
+    assert "unknown tool 'nope'" in results[2]["content"]
+    assert results[3]["content"] == "2"
+    tool_steps = [s for s in engine.steps(run.id) if s.kind == "tool"]
+    assert [s.error["code"] if s.error else None for s in tool_steps] == [
+        "tool_error",
+        "invalid_input",
+        "unknown_tool",
+        None,
+    ]
+
+
+def test_malformed_model_reply_fails_with_model_error_keeping_the_transcript(
+    make_engine: EngineFactory,
+) -> None:
+    model = ScriptedModel(
+        [tool_use("search_issues", {"query": "x"}), {"type": "tool_use", "name": "x", "id": "t"}]
+    )
+    engine = make_engine([Agent("a", model, tools=[search_issues])])
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None and run.error.code == "model_error"
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None and len(checkpoint.messages) == 3
+
+
+def test_state_tools_read_and_merge_state_saved_with_the_checkpoint(
+    make_engine: EngineFactory,
+) -> None:
+    class Notes(BaseModel):
+        seen: int = 0
+        label: str = "none"
+
+    model = ScriptedModel(
+        [
+            tool_use("update_state", {"seen": 3}),
+            tool_use("read_state", {}),
+            text("ok"),
+        ]
+    )
+    engine = make_engine([Agent("a", model, state=Notes)])
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.COMPLETED
+    assert json.loads(model.calls[2][-1]["content"][0]["content"]) == {"seen": 3, "label": "none"}
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None and checkpoint.state == {"seen": 3, "label": "none"}
+
+
+def test_runs_of_one_concurrency_key_never_overlap(make_engine: EngineFactory) -> None:
+    lock = threading.Lock()
+    inside: list[int] = [0]
+    most: list[int] = [0]
+
+    @tool
+    def work() -> str:
+        """Hold the key a while."""
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.05)
+        with lock:
+            inside[0] -= 1
+        return "done"
+
+    model = ScriptedModel([tool_use("work"), text("ok")], latency_s=0.02)
+    engine = make_engine([Agent("a", model, tools=[work])], slots=5)
+    runs = [engine.dispatch("a", trigger({"n": i}), concurrency_key="k") for i in range(5)]
+    assert engine.idle(20)
+    finished = [engine.get_run(r.id) for r in runs]
+    assert all(r.status is RunStatus.COMPLETED for r in finished)
+    assert most[0] == 1
+    # Oldest first: each run started after the previous one finished.
+    for before, after in zip(finished, finished[1:], strict=False):
+        assert before.finished_at is not None and after.started_at is not None
+        assert after.started_at >= before.finished_at
+
+
+def test_a_threads_second_run_starts_from_the_first_runs_messages(
+    make_engine: EngineFactory,
+) -> None:
+    model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"))
+    engine = make_engine([Agent("a", model)])
+    first = engine.dispatch("a", trigger({"q": 1}), thread="chat-1")
+    assert engine.idle(10)
+    second = engine.dispatch("a", trigger({"q": 2}), thread="chat-1")
+    assert engine.idle(10)
+    assert second.concurrency_key == "thread:chat-1"
+    second = engine.get_run(second.id)
+    assert engine.get_run(first.id).output == "answer 1"
+    assert second.output == "answer 3"
+    sent = model.calls[1]
+    assert [m["role"] for m in sent] == ["user", "assistant", "user"]
+    assert json.loads(sent[2]["content"])["payload"] == {"q": 2}
+
+
+def test_cancel_of_a_queued_run_is_immediate(make_engine: EngineFactory) -> None:
+    engine = make_engine([Agent("a", ScriptedModel([text("ok")]))], scheduler=ManualScheduler())
+    run = engine.dispatch("a", trigger({}))
+    cancelled = engine.cancel(run.id)
+    assert cancelled.status is RunStatus.CANCELLED
+    assert engine.execute(run.id).status is RunStatus.CANCELLED
+    assert engine.cancel(run.id).status is RunStatus.CANCELLED  # final: unchanged
+
+
+def test_cancel_of_a_running_run_from_another_engine_aborts_it_within_a_second(
+    make_engine: EngineFactory,
+) -> None:
+    model = ScriptedModel([text("too late")], latency_s=30)
+    owner = make_engine([Agent("a", model)])
+    other = make_engine([Agent("a", model)], scheduler=ManualScheduler())
+    run = owner.dispatch("a", trigger({}))
+    wait_for(lambda: len(model.calls) == 1)
+    asked = time.monotonic()
+    assert other.cancel(run.id).cancel_requested
+    wait_for(lambda: other.get_run(run.id).status is RunStatus.CANCELLED, timeout=5)
+    assert time.monotonic() - asked < 1.0
+    assert other.get_run(run.id).claim is None
+
+
+def test_drain_then_recover_finishes_the_run_without_losing_or_repeating_a_step(
+    make_engine: EngineFactory,
+) -> None:
+    model = ScriptedModel(
+        [tool_use("search_issues", {"query": "a"}), tool_use("search_issues", {"query": "b"}),
+         text("done")],
+        latency_s=0.3,
+    )
+    first = make_engine([Agent("a", model, tools=[search_issues])])
+    run = first.dispatch("a", trigger({}))
+    wait_for(lambda: len(model.calls) == 2)  # second model call in flight
+    first.drain(timeout=5)
+    drained = first.get_run(run.id)
+    assert drained.status is RunStatus.INTERRUPTED and drained.claim is None
+
+    second = make_engine([Agent("a", model, tools=[search_issues])])
+    assert second.recover() == [run.id]
+    assert second.idle(10)
+    done = second.get_run(run.id)
+    assert done.status is RunStatus.COMPLETED
+    kinds = [(s.index, s.kind) for s in second.steps(run.id)]
+    assert kinds == [(0, "llm"), (1, "tool"), (2, "llm"), (3, "tool"), (4, "llm")]
+    assert second.recover() == []
+
+
+def test_a_listener_that_raises_reaches_on_error_and_the_run_completes(
+    make_engine: EngineFactory, errors: Errors
+) -> None:
+    engine = make_engine([Agent("a", ScriptedModel([text("ok")]))])
+
+    def broken(_: Any) -> None:
+        raise RuntimeError("listener broke")
+
+    engine.on("run.updated", broken)
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.COMPLETED
+    assert any(str(e) == "listener broke" for e in errors)
+
+
+def test_recover_requeues_a_queued_run_whose_message_was_lost(
+    make_engine: EngineFactory,
+) -> None:
+    lost = make_engine([Agent("a", ScriptedModel([text("ok")]))], scheduler=ManualScheduler())
+    run = lost.dispatch("a", trigger({}))
+    engine = make_engine([Agent("a", ScriptedModel([text("ok")]))], requeue_after=0.2)
+    assert engine.recover() == []
+    time.sleep(0.3)
+    assert engine.recover() == [run.id]
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+
+
+def test_effect_tool_gets_a_stable_idempotency_key(make_engine: EngineFactory) -> None:
+    keys: list[str] = []
+
+    @tool(effect=True)
+    def post(body: str, ctx: ToolContext) -> str:
+        """Post something."""
+        keys.append(ctx.idempotency_key)
+        return "posted"
+
+    model = ScriptedModel([tool_use("post", {"body": "hi"}), text("ok")])
+    run = _run_to_end(make_engine([Agent("a", model, tools=[post])]))
+    assert run.status is RunStatus.COMPLETED
+    assert keys == [f"{run.id}:{model.calls[1][1]['content'][0]['id']}"]
+
+
+def test_embedded_default_runs_on_sqlite_with_local_leases(
+    make_sqlite_engine: EngineFactory,
+) -> None:
+    model = ScriptedModel([tool_use("search_issues", {"query": "x"}), text("ok")])
+    engine = make_sqlite_engine([Agent("a", model, tools=[search_issues])])
+    runs = [engine.dispatch("a", trigger({"n": i})) for i in range(4)]
+    assert engine.idle(20)
+    assert all(engine.get_run(r.id).status is RunStatus.COMPLETED for r in runs)
+    assert [s.kind for s in engine.steps(runs[0].id)] == ["llm", "tool", "llm"]

@@ -150,8 +150,11 @@ class Execution:
             messages = list(unsaved)
         else:
             beyond = len(messages) - stored.checkpoint_messages
-            # Past the checkpoint there can only be the saved response of the step in progress.
-            if beyond not in (0, 1) or (beyond == 1 and messages[-1].get("role") != "assistant"):
+            # Past the checkpoint there can only be the saved response of the step in
+            # progress (with the start messages, if the first step is in progress).
+            in_progress = messages[-1].get("role") == "assistant"
+            first_step = stored.checkpoint_step is None
+            if not (beyond == 0 or (in_progress and (beyond == 1 or first_step))):
                 raise InvalidCheckpointError(
                     f"{len(messages)} messages stored but the checkpoint holds "
                     f"{stored.checkpoint_messages}"

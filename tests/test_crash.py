@@ -1,0 +1,198 @@
+"""Crashes and lease loss with real processes: kill -9 and SIGSTOP, then recovery elsewhere."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentruns import Engine, RunStatus
+from tests.conftest import EngineFactory, trigger
+from tests.support.agents import AGENTS, STEPS, steps_agent
+from tests.support.schedulers import ManualScheduler
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Helper:
+    """A child process executing one run in an engine of its own."""
+
+    def __init__(self, log: Path, proc: subprocess.Popen[bytes]) -> None:
+        self.log = log
+        self.proc = proc
+
+    def lines(self) -> list[str]:
+        return self.log.read_text().splitlines() if self.log.exists() else []
+
+    def wait_for_line(self, needle: str, timeout: float = 15.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not any(needle in line for line in self.lines()):
+            if self.proc.poll() is not None:
+                raise AssertionError(f"helper exited early: {self.lines()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {needle!r} in {self.lines()}")
+            time.sleep(0.02)
+
+
+@pytest.fixture
+def spawn(
+    db_url: str, redis_prefix: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Any]:
+    log = tmp_path / "calls.log"
+    monkeypatch.setenv("AGENTRUNS_TEST_LOG", str(log))
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(run_id: str, hang: str | None = None, lease_ttl: float = 1.0) -> Helper:
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "AGENTRUNS_TEST_LOG": str(log)}
+        if hang:
+            env["AGENTRUNS_TEST_HANG"] = hang
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.support.executor", db_url, redis_prefix, run_id,
+             str(lease_ttl)],
+            cwd=ROOT,
+            env=env,
+        )
+        procs.append(proc)
+        return Helper(log, proc)
+
+    yield start
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGCONT)
+            proc.kill()
+        proc.wait()
+
+
+def kill9(helper: Helper) -> None:
+    helper.proc.send_signal(signal.SIGKILL)
+    helper.proc.wait()
+
+
+def recover_when_lease_expires(engine: Engine, run_id: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while run_id not in engine.recover():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"run {run_id} was never recovered")
+        time.sleep(0.1)
+
+
+def llm_turns(engine: Engine, run_id: str) -> int:
+    return sum(1 for s in engine.steps(run_id) if s.kind == "llm")
+
+
+def test_recovered_run_never_asks_the_model_again_for_a_saved_response(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("steps", trigger({"n": 1}))
+    helper = spawn(run.id)
+    helper.wait_for_line("note two")  # two model responses saved, a third call comes
+    kill9(helper)
+    saved = llm_turns(producer, run.id)
+    assert saved >= 2
+    assert producer.get_run(run.id).status is RunStatus.RUNNING
+
+    before = len(steps_agent.model.calls)  # type: ignore[attr-defined]
+    rescuer = make_engine(AGENTS)
+    recover_when_lease_expires(rescuer, run.id)
+    assert rescuer.idle(20)
+    done = rescuer.get_run(run.id)
+    assert done.status is RunStatus.COMPLETED and done.output == "Done."
+
+    steps = rescuer.steps(run.id)
+    assert [s.index for s in steps] == list(range(len(steps)))
+    assert llm_turns(rescuer, run.id) == len(STEPS)
+    calls_here = steps_agent.model.calls[before:]  # type: ignore[attr-defined]
+    turns_here = [sum(m["role"] == "assistant" for m in c) for c in calls_here]
+    assert min(turns_here) >= saved  # nothing the dead process saved was asked again
+
+
+def test_effect_tool_runs_once_when_killed_after_it_ran_before_its_step_was_saved(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("effects", trigger({}))
+    helper = spawn(run.id, hang="slow")  # charge ran and was recorded; slow hangs
+    helper.wait_for_line("hanging slow")
+    kill9(helper)
+
+    rescuer = make_engine(AGENTS)
+    recover_when_lease_expires(rescuer, run.id)
+    assert rescuer.idle(20)
+    assert rescuer.get_run(run.id).error is None
+    assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
+    charges = [line for line in helper.lines() if line.startswith("charge")]
+    assert len(charges) == 1
+    tool_steps = [s for s in rescuer.steps(run.id) if s.kind == "tool"]
+    assert [s.name for s in tool_steps] == ["charge", "slow"]
+    assert tool_steps[0].output == {"charged": 5, "key": charges[0].split()[1]}
+
+
+def test_unknown_effect_outcome_with_retry_calls_again_with_the_same_key(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("unknown_retry", trigger({}))
+    helper = spawn(run.id, hang="charge")  # killed inside the effect: outcome unknown
+    helper.wait_for_line("hanging charge")
+    kill9(helper)
+
+    rescuer = make_engine(AGENTS)
+    recover_when_lease_expires(rescuer, run.id)
+    assert rescuer.idle(20)
+    assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
+    charges = [line.split()[1] for line in helper.lines() if line.startswith("charge")]
+    assert len(charges) == 2 and charges[0] == charges[1]
+
+
+def test_unknown_effect_outcome_with_fail_fails_the_run(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("unknown_fail", trigger({}))
+    helper = spawn(run.id, hang="charge")
+    helper.wait_for_line("hanging charge")
+    kill9(helper)
+
+    rescuer = make_engine(AGENTS)
+    recover_when_lease_expires(rescuer, run.id)
+    assert rescuer.idle(20)
+    failed = rescuer.get_run(run.id)
+    assert failed.status is RunStatus.FAILED
+    assert failed.error is not None and failed.error.code == "effect_outcome_unknown"
+    assert len([line for line in helper.lines() if line.startswith("charge")]) == 1
+
+
+def test_a_stopped_owner_loses_the_run_and_writes_nothing_after_it_continues(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("steps", trigger({"n": 2}))
+    helper = spawn(run.id)
+    helper.wait_for_line("note one")
+    helper.proc.send_signal(signal.SIGSTOP)
+    stopped_steps = producer.steps(run.id)
+
+    rescuer = make_engine(AGENTS)
+    recover_when_lease_expires(rescuer, run.id)
+    assert rescuer.idle(20)
+    done = rescuer.get_run(run.id)
+    assert done.status is RunStatus.COMPLETED
+    steps_after_rescue = rescuer.steps(run.id)
+
+    helper.proc.send_signal(signal.SIGCONT)
+    assert helper.proc.wait(timeout=20) == 0
+    assert any(line == "error LeaseLostError" for line in helper.lines())
+    # The continued process wrote nothing more: same steps, run still completed.
+    assert rescuer.steps(run.id) == steps_after_rescue
+    assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
+    assert len(steps_after_rescue) > len(stopped_steps)
+    assert [s.index for s in steps_after_rescue] == list(range(len(steps_after_rescue)))
+    assert llm_turns(rescuer, run.id) == len(STEPS)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
@@ -26,7 +27,7 @@ from agentruns.errors import (
     LeaseLostError,
     UnknownAgentError,
 )
-from agentruns.events import EventType, Events, Listener
+from agentruns.events import Events, EventType, Listener
 from agentruns.execution import Abort, Execution
 from agentruns.leases.base import Leases
 from agentruns.leases.local import LocalLeases
@@ -436,10 +437,9 @@ class Engine:
             if wait is None:
                 continue
             if wait.expires_at <= now:
-                try:
+                # InvalidTokenError: someone answered it meanwhile.
+                with contextlib.suppress(InvalidTokenError):
                     self._answer(run, approved=False, reason="approval expired")
-                except InvalidTokenError:
-                    pass  # answered by someone else meanwhile
             elif wait.notified_at is None:
                 self.notify(run)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import threading
 import uuid
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from agentruns import transcript
@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from agentruns.engine import Engine
 
 
-class Abort(str, Enum):
+class Abort(StrEnum):
     CANCEL = "cancel"
     DRAIN = "drain"
     TIMEOUT = "timeout"
@@ -95,7 +95,9 @@ class Execution:
         except LeaseLostError as exc:
             self.engine.report(exc)
         except InvalidCheckpointError as exc:
-            self._settle_quietly(RunStatus.FAILED, RunError(code="invalid_checkpoint", message=str(exc)))
+            self._settle_quietly(
+                RunStatus.FAILED, RunError(code="invalid_checkpoint", message=str(exc))
+            )
         except Exception as exc:
             self.engine.report(exc)
             if not self.engine.is_infrastructure_error(exc):
@@ -138,7 +140,9 @@ class Execution:
 
     # -- start point -------------------------------------------------------------
 
-    def _load(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
+    def _load(
+        self,
+    ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
         """The transcript to continue, the start messages not stored yet, pending answers, state."""
         stored = self.store.transcript(self.run.id)
         messages = stored.messages
@@ -306,7 +310,9 @@ class Execution:
         if awaiting:
             self._pause(awaiting[0], pending, tool_steps, index, finish_reason)
         results = [
-            transcript.tool_result(c["id"], pending[c["id"]]["content"], pending[c["id"]]["is_error"])
+            transcript.tool_result(
+                c["id"], pending[c["id"]]["content"], pending[c["id"]]["is_error"]
+            )
             for c in calls
         ]
         message = transcript.results_message(results)
@@ -514,7 +520,9 @@ def _ok(value: Any) -> _Outcome:
 
 def _recorded(value: Any, is_error: bool) -> _Outcome:
     if is_error:
-        return _Outcome(content=str(value), is_error=True, error={"code": "tool_error", "message": str(value)})
+        return _Outcome(
+            content=str(value), is_error=True, error={"code": "tool_error", "message": str(value)}
+        )
     return _ok(value)
 
 

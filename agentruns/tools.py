@@ -7,7 +7,7 @@ import json
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, get_type_hints, overload
+from typing import Any, Literal, Optional, get_type_hints, overload
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_core import to_jsonable_python
@@ -77,7 +77,7 @@ class Tool:
                 continue
             default = ... if param.default is inspect.Parameter.empty else param.default
             fields[param.name] = (annotation, default)
-        return create_model(  # type: ignore[call-overload,no-any-return]
+        return create_model(
             f"{self.name}_input",
             __config__=ConfigDict(extra="forbid"),
             **fields,
@@ -90,8 +90,7 @@ class Tool:
             parsed = self.input_model.model_validate(arguments)
         except ValidationError as exc:
             problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg']}"
-                for e in exc.errors()
+                f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg']}" for e in exc.errors()
             )
             raise ToolInputError(f"invalid arguments for {self.name}: {problems}") from None
         return {name: getattr(parsed, name) for name in type(parsed).model_fields}
@@ -174,9 +173,10 @@ def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]
         return holder.value
 
     update_fields: dict[str, Any] = {
-        name: (field.annotation | None, None) for name, field in state_model.model_fields.items()
+        name: (Optional[field.annotation], None)  # noqa: UP045 - a runtime annotation
+        for name, field in state_model.model_fields.items()
     }
-    update_model = create_model(  # type: ignore[call-overload]
+    update_model = create_model(
         "update_state_input", __config__=ConfigDict(extra="forbid"), **update_fields
     )
     read_model = create_model("read_state_input", __config__=ConfigDict(extra="forbid"))
@@ -188,7 +188,7 @@ def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]
         ),
         Tool(
             update_state,
-            description="Merge the given fields into the agent's saved state; returns the new state.",
+            description="Merge the given fields into the agent's saved state; returns it.",
             input_model=update_model,
         ),
     ]

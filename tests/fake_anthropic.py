@@ -7,7 +7,7 @@ with Anthropic-shaped error bodies, and records every request.
 
 Script it with planned replies, served in order::
 
-    from fake_anthropic import FakeAnthropic, dropped, error, reply, slow, text, tool_use, usage
+    from tests.fake_anthropic import FakeAnthropic, error, reply, slow, text, tool_use, usage
 
     with FakeAnthropic() as fake:
         fake.push(
@@ -15,24 +15,26 @@ Script it with planned replies, served in order::
             error(429, retry_after_ms=50),                     # rate limit, retry-after-ms
             reply(tool_use("search", {"q": "crash"}, id="toolu_1"), usage=usage(12, 3)),
             slow(5.0, reply(text("late"))),                    # message_start, then stalls
-            dropped(),                                         # message_start, then hangs up
             reply(text("Done."), usage=usage(20, 4, cache_read=10)),
         )
         client = fake.client()        # anthropic.Anthropic(api_key="test", base_url=fake.url)
         ...
         fake.requests[0].body["system"]          # parsed JSON of each request
-        fake.requests[0].headers["x-api-key"]    # lower-cased header names
+        fake.requests[0].api_key                 # x-api-key or bearer token
+        fake.requests[0].headers                 # lower-cased header names
 
 When the queue is empty, ``fake.responder`` (a callable taking the
 ``RecordedRequest`` and returning a reply) answers, so an engine test can reply
 according to the transcript; with neither, the server answers 400
 ``invalid_request_error`` "no reply scripted", which fails a call at once.
 
-A ``reply`` without ``stop_reason`` gets ``tool_use`` when it holds a tool call and
-``end_turn`` otherwise. ``reply(..., stream_error="overloaded_error")`` sends
+A ``reply`` without ``stop_reason`` gets ``tool_use`` when it holds a tool call
+and ``end_turn`` otherwise. ``reply(..., stream_error="overloaded_error")`` sends
 ``message_start`` and then an SSE ``error`` event, as the API does when it
-overloads mid-stream. A tool_use block with a ``partial_json`` string streams
-that raw (possibly cut-off) JSON instead of its ``input``.
+overloads mid-stream; ``dropped()`` hangs up right after ``message_start``. A
+tool_use block with a ``partial_json`` string streams that raw (possibly cut-off)
+JSON instead of its ``input``. ``slow()`` replies set ``request.stalled`` when
+they start stalling and ``request.disconnected`` when the client hangs up.
 
 Connections are kept alive like the real API. ``close()`` (or leaving the
 ``with`` block) stops the server, wakes stalled replies and closes idle

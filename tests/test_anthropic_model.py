@@ -1,6 +1,6 @@
 """AnthropicModel through the real anthropic SDK against a local Messages API server.
 
-Anthropic's API can't be reached from tests, so fake_anthropic.py stands in for
+Anthropic's API can't be reached from tests, so tests/fake_anthropic.py stands in for
 it at the HTTP level: everything from the SDK down (request building, SSE
 parsing, error classes, headers) is the real thing.
 """
@@ -15,7 +15,11 @@ from typing import Any
 
 import anthropic
 import pytest
-from fake_anthropic import (
+
+from agentruns.models import ModelAborted, ModelError, ModelRequest, ToolSpec
+from agentruns.models.anthropic import AnthropicModel
+from agentruns.runs import Usage
+from tests.fake_anthropic import (
     FakeAnthropic,
     dropped,
     error,
@@ -26,10 +30,6 @@ from fake_anthropic import (
     tool_use,
     usage,
 )
-
-from agentruns.models import ModelAborted, ModelError, ModelRequest, ToolSpec
-from agentruns.models.anthropic import AnthropicModel
-from agentruns.runs import Usage
 
 EPHEMERAL = {"type": "ephemeral"}
 SEARCH = ToolSpec(
@@ -291,7 +291,7 @@ def test_zero_max_retries_means_a_single_try(fake: FakeAnthropic) -> None:
     "header", [{"retry_after_ms": 300}, {"retry_after": 0.3}], ids=["retry-after-ms", "retry-after"]
 )
 def test_retry_after_header_sets_the_wait_before_the_next_try(
-    fake: FakeAnthropic, header: dict[str, float]
+    fake: FakeAnthropic, header: dict[str, Any]
 ) -> None:
     fake.push(error(429, **header), reply(text("ok")))
     make_model(fake).complete(request(), threading.Event())

@@ -54,8 +54,15 @@ def spawn(
         if hang:
             env["AGENTRUNS_TEST_HANG"] = hang
         proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.support.executor", db_url, redis_prefix, run_id,
-             str(lease_ttl)],
+            [
+                sys.executable,
+                "-m",
+                "tests.support.executor",
+                db_url,
+                redis_prefix,
+                run_id,
+                str(lease_ttl),
+            ],
             cwd=ROOT,
             env=env,
         )

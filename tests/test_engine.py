@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import threading
 import time
@@ -290,7 +291,7 @@ def test_runs_of_one_concurrency_key_never_overlap(make_engine: EngineFactory) -
     assert all(r.status is RunStatus.COMPLETED for r in finished)
     assert most[0] == 1
     # Oldest first: each run started after the previous one finished.
-    for before, after in zip(finished, finished[1:], strict=False):
+    for before, after in itertools.pairwise(finished):
         assert before.finished_at is not None and after.started_at is not None
         assert after.started_at >= before.finished_at
 
@@ -341,8 +342,11 @@ def test_drain_then_recover_finishes_the_run_without_losing_or_repeating_a_step(
     make_engine: EngineFactory,
 ) -> None:
     model = ScriptedModel(
-        [tool_use("search_issues", {"query": "a"}), tool_use("search_issues", {"query": "b"}),
-         text("done")],
+        [
+            tool_use("search_issues", {"query": "a"}),
+            tool_use("search_issues", {"query": "b"}),
+            text("done"),
+        ],
         latency_s=0.3,
     )
     first = make_engine([Agent("a", model, tools=[search_issues])])

@@ -349,7 +349,8 @@ def _describe(exc: BaseException, model: str, client: anthropic.Anthropic, tries
         return f"could not reach the Anthropic API at {client.base_url}{after}: {exc}"
     if isinstance(exc, _IncompleteStream):
         return f"the Anthropic response stream was cut off{after}: {exc}"
-    return f"the Anthropic call failed: {type(exc).__name__}: {exc}"
+    hint = "; set ANTHROPIC_API_KEY" if "authentication" in str(exc).lower() else ""
+    return f"the Anthropic call failed: {type(exc).__name__}: {exc}{hint}"
 
 
 # transcript and response shapes

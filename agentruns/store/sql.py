@@ -469,26 +469,34 @@ class SqlStore:
         with self.engine.begin() as conn:
             stoppable = [RunStatus.QUEUED.value, RunStatus.WAITING.value]
             stoppable.append(RunStatus.INTERRUPTED.value)
-            row = conn.execute(
-                R.update()
-                .where(R.c.id == run_id, R.c.status.in_(stoppable))
-                .values(
-                    status=RunStatus.CANCELLED.value,
-                    waiting=None,
-                    claim_owner=None,
-                    claim_expires_at=None,
-                    updated_at=now,
-                    finished_at=now,
-                )
-                .returning(*R.c)
-            ).mappings().first()
-            if row is None:
-                row = conn.execute(
+            row = (
+                conn.execute(
                     R.update()
-                    .where(R.c.id == run_id, R.c.status == RunStatus.RUNNING.value)
-                    .values(cancel_requested=True, updated_at=now)
+                    .where(R.c.id == run_id, R.c.status.in_(stoppable))
+                    .values(
+                        status=RunStatus.CANCELLED.value,
+                        waiting=None,
+                        claim_owner=None,
+                        claim_expires_at=None,
+                        updated_at=now,
+                        finished_at=now,
+                    )
                     .returning(*R.c)
-                ).mappings().first()
+                )
+                .mappings()
+                .first()
+            )
+            if row is None:
+                row = (
+                    conn.execute(
+                        R.update()
+                        .where(R.c.id == run_id, R.c.status == RunStatus.RUNNING.value)
+                        .values(cancel_requested=True, updated_at=now)
+                        .returning(*R.c)
+                    )
+                    .mappings()
+                    .first()
+                )
             if row is None:
                 row = self._require(conn, run_id)
             return _run_from_row(row)

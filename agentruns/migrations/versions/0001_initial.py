@@ -34,9 +34,7 @@ def upgrade() -> None:
         sa.Column("error", sa.JSON),
         sa.Column("input_tokens", sa.BigInteger, nullable=False, server_default="0"),
         sa.Column("output_tokens", sa.BigInteger, nullable=False, server_default="0"),
-        sa.Column(
-            "cache_creation_input_tokens", sa.BigInteger, nullable=False, server_default="0"
-        ),
+        sa.Column("cache_creation_input_tokens", sa.BigInteger, nullable=False, server_default="0"),
         sa.Column("cache_read_input_tokens", sa.BigInteger, nullable=False, server_default="0"),
         sa.Column("steps_used", sa.Integer, nullable=False, server_default="0"),
         sa.Column("step_count", sa.Integer, nullable=False, server_default="0"),

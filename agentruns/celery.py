@@ -1,0 +1,210 @@
+"""The Celery app (``celery -A agentruns worker``) and the one engine each worker process runs.
+
+Configuration comes from the top-level ``celeryconfig`` module when it can be
+imported (the repository's, or a deployment's own) and otherwise from the same
+values built in here. The engine is built from ``AGENTRUNS_*`` settings the
+first time a task needs it, once per process: a prefork child builds its own
+after the fork, so no database or Redis connection crosses a fork.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery import Celery, signals
+from celery.utils.imports import cwd_in_path
+
+from agentruns.settings import get_settings
+
+if TYPE_CHECKING:
+    from agentruns.engine import Engine
+
+log = logging.getLogger("agentruns")
+
+# How long warm shutdown waits for in-flight runs to settle ``interrupted``;
+# a tool call in progress is never cut short, so this bounds the wait, not the work.
+DRAIN_TIMEOUT_S = 10.0
+# Sent by the worker's main process to its prefork children: "drain now".
+_DRAIN_SIGNAL = signal.SIGUSR2
+
+
+def _builtin_config() -> dict[str, Any]:
+    """The settings of ``celeryconfig.py`` (see the reasons there), for an installed package."""
+    s = get_settings()
+    visibility_timeout = 3600
+    return {
+        "broker_url": s.effective_broker_url or "redis://localhost:6379/0",
+        "broker_connection_retry_on_startup": True,
+        "broker_transport_options": {"visibility_timeout": visibility_timeout},
+        "task_time_limit": visibility_timeout - 600,
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "task_ignore_result": True,
+        "task_default_queue": os.environ.get("AGENTRUNS_QUEUE", "agentruns"),
+        "task_serializer": "json",
+        "accept_content": ["json"],
+        "worker_send_task_events": True,
+        "task_send_sent_event": True,
+        "beat_schedule": {
+            "agentruns.tick": {
+                "task": "agentruns.tick",
+                "schedule": s.tick_interval,
+                "options": {"expires": s.tick_interval},
+            },
+            "agentruns.recover": {
+                "task": "agentruns.recover",
+                "schedule": s.recover_interval,
+                "options": {"expires": s.recover_interval},
+            },
+        },
+    }
+
+
+def _has_celeryconfig() -> bool:
+    # Celery imports the config module with the working directory on the path; so do we.
+    with cwd_in_path():
+        return importlib.util.find_spec("celeryconfig") is not None
+
+
+app = Celery("agentruns", include=["agentruns.tasks"])
+# Both are read lazily, when the configuration is first needed, not on import.
+app.add_defaults(_builtin_config)
+if _has_celeryconfig():
+    app.config_from_object("celeryconfig")
+
+
+# -- the process's engine -------------------------------------------------------------
+
+_engine: Engine | None = None
+_engine_lock = threading.Lock()
+_slots: int | None = None  # the pool's concurrency, once the worker knows it
+_shutting_down = threading.Event()
+
+
+def get_engine() -> Engine:
+    """This process's engine, built from settings on first use."""
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            _engine = _build_engine()
+        return _engine
+
+
+def shutting_down() -> bool:
+    """True once this process has started to drain; executions it receives go back."""
+    return _shutting_down.is_set()
+
+
+def _build_engine() -> Engine:
+    from agentruns.engine import Engine
+    from agentruns.leases import RedisLeases
+    from agentruns.schedulers.celery import CeleryScheduler
+
+    settings = get_settings()
+    overrides: dict[str, Any] = {"scheduler": CeleryScheduler(app)}
+    if settings.redis_url is None:
+        # Leases must be shared by every worker: without AGENTRUNS_REDIS_URL, use
+        # the broker's Redis rather than the in-process leases of the embedded mode.
+        broker = str(app.conf.broker_url or "")
+        if not broker.startswith(("redis://", "rediss://", "unix://")):
+            raise RuntimeError("agentruns workers need Redis for leases: set AGENTRUNS_REDIS_URL")
+        overrides["leases"] = RedisLeases(broker)
+    if _slots is not None:
+        # Every pool slot may hold a run; the pool, not the engine, is the limit here.
+        overrides["slots"] = max(settings.slots, _slots)
+    engine = Engine.from_settings(**overrides)
+    log.info("agentruns engine %s ready with agents: %s", engine.owner, ", ".join(engine.agents))
+    return engine
+
+
+def _runs_tasks_here(pool: Any) -> bool:
+    """Whether this process executes tasks itself (threads, solo, gevent) or forks children."""
+    return not type(pool).__module__.endswith(".prefork")
+
+
+# -- worker signals ---------------------------------------------------------------------
+
+_pool: Any = None  # the worker's pool, known from worker_ready
+
+
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    global _pool, _slots
+    _pool = getattr(sender, "pool", None)
+    limit = getattr(_pool, "limit", None)
+    _slots = limit if isinstance(limit, int) and limit > 0 else None
+    if _pool is not None and _runs_tasks_here(_pool):
+        # Fail loudly at start (unmigrated database, unknown agent module), not per task.
+        try:
+            get_engine()
+        except Exception:
+            log.exception("agentruns: could not build the engine; tasks will fail until fixed")
+
+
+def _on_worker_process_init(**_: Any) -> None:
+    """A prefork child: forget anything inherited, build its own engine on first use."""
+    global _engine, _engine_lock
+    # The inherited engine's sockets belong to the parent: drop it, don't close it.
+    _engine = None
+    _engine_lock = threading.Lock()
+    _shutting_down.clear()
+    signal.signal(_DRAIN_SIGNAL, _on_drain_signal)
+
+
+def _on_drain_signal(signum: int, frame: Any) -> None:
+    # In a signal handler the interrupted thread may hold the engine's locks: drain elsewhere.
+    _shutting_down.set()
+    threading.Thread(target=_drain, name="agentruns-drain", daemon=True).start()
+
+
+def _drain() -> None:
+    engine = _engine
+    if engine is None:
+        return
+    try:
+        engine.drain(timeout=DRAIN_TIMEOUT_S)
+    except Exception:
+        log.exception("agentruns: drain failed")
+
+
+def _on_worker_shutting_down(**_: Any) -> None:
+    """Warm or cold shutdown: in-flight runs settle ``interrupted`` and release their claims.
+
+    Their tasks then return and their messages are acked; ``recover`` requeues
+    the runs for another worker.
+    """
+    _shutting_down.set()
+    pool = _pool
+    if pool is not None and not _runs_tasks_here(pool):
+        for pid in pool.info.get("processes", []):
+            with contextlib.suppress(OSError):  # already gone
+                os.kill(pid, _DRAIN_SIGNAL)
+        return
+    # Threads pool: the runs are in this process; abort them and wait for them to settle.
+    _drain()
+
+
+def _on_shutdown(**_: Any) -> None:
+    log.warning("TIMING shutdown start")
+    global _engine
+    with _engine_lock:
+        engine, _engine = _engine, None
+    if engine is not None:
+        try:
+            engine.close()
+        except Exception:
+            log.exception("agentruns: closing the engine failed")
+
+
+signals.worker_ready.connect(_on_worker_ready)
+signals.worker_process_init.connect(_on_worker_process_init)
+signals.worker_shutting_down.connect(_on_worker_shutting_down)
+signals.worker_process_shutdown.connect(_on_shutdown)
+signals.worker_shutdown.connect(_on_shutdown)

@@ -1,0 +1,62 @@
+"""The ``agentruns`` command line (SPEC §8). ``main(argv)`` returns the exit code.
+
+Every failure is one line on stderr: exit 2 for bad input, 1 for the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Sequence
+
+from agentruns.cli.errors import describe
+from agentruns.cli.session import Session
+
+
+class _OneLine(logging.Formatter):
+    """Log records without tracebacks: the CLI promises one line per problem."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        record.exc_info = None
+        record.exc_text = None
+        return super().format(record)
+
+
+def _quiet_logging() -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine("agentruns: %(levelname)s: %(message)s"))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from agentruns.cli.parser import build
+
+    try:
+        args = build().parse_args(argv)
+    except SystemExit as exc:  # --help, or a usage error already printed
+        return exc.code if isinstance(exc.code, int) else 2
+    _quiet_logging()
+    session = Session(as_json=args.json)
+    try:
+        code: int = args.handler(session, args)
+        session.close()
+        return code
+    except KeyboardInterrupt:
+        session.close()
+        print("agentruns: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        with contextlib.suppress(Exception):
+            session.close()
+        settings = session.settings_or_none()
+        code, line = describe(
+            exc,
+            settings.database_url if settings else "",
+            settings.redis_url if settings else None,
+        )
+        print(f"agentruns: error: {line}", file=sys.stderr)
+        return code
+
+
+__all__ = ["main"]

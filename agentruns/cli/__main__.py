@@ -1,0 +1,3 @@
+from agentruns.cli import main
+
+raise SystemExit(main())

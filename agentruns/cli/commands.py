@@ -1,0 +1,194 @@
+"""The CLI's commands: each takes the session and its parsed arguments, returns an exit code."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+from agentruns.cli import render
+from agentruns.cli.errors import BAD_INPUT, CliError, safe_url
+from agentruns.cli.session import Session
+from agentruns.runs import Run, RunStatus, utcnow
+
+Handler = Callable[[Session, argparse.Namespace], int]
+
+
+def cmd_migrate(session: Session, args: argparse.Namespace) -> int:
+    from agentruns.migrate import migrate
+
+    url = session.settings.database_url
+    revision = migrate(url)
+    session.json({"database": safe_url(url), "revision": revision})
+    session.say(f"migrated {safe_url(url)} to revision {revision}")
+    return 0
+
+
+def cmd_dispatch(session: Session, args: argparse.Namespace) -> int:
+    trigger = {
+        "source": args.source,
+        "trigger": args.trigger,
+        "payload": _payload(args.payload),
+        "keys": _keys(args.key),
+        "thread": args.thread,
+    }
+    engine = session.engine()
+    if args.agent not in engine.agents:
+        known = ", ".join(sorted(engine.agents)) or "none"
+        raise CliError(
+            f"unknown agent {args.agent!r} (known: {known}; AGENTRUNS_AGENTS="
+            f"{session.settings.agents})",
+            BAD_INPUT,
+        )
+    session.need_redis()
+    session.follow()
+    started = utcnow()
+    run = engine.dispatch(args.agent, trigger, idempotency_key=args.idempotency_key)
+    if run.created_at < started - timedelta(seconds=1):
+        session.say(f"already dispatched with this idempotency key: run {run.id}")
+    elif run.id not in session.shown:  # else follow() has said so
+        session.say(f"dispatched run {run.id} ({run.agent})")
+    session.settle()
+    return _report_run(session, engine.get_run(run.id))
+
+
+def cmd_runs(session: Session, args: argparse.Namespace) -> int:
+    runs = session.engine().list_runs(status=args.status, agent=args.agent, limit=args.limit)
+    session.json({"runs": [render.run_json(r) for r in runs]})
+    session.say(render.runs_table(runs))
+    return 0
+
+
+def cmd_show(session: Session, args: argparse.Namespace) -> int:
+    engine = session.engine()
+    run = engine.get_run(args.run)
+    steps = engine.steps(run.id)
+    session.json({"run": render.run_json(run, steps)})
+    session.say(render.header(run))
+    session.say()
+    session.say(render.timeline(run, steps))
+    return 0
+
+
+def cmd_answer(session: Session, args: argparse.Namespace) -> int:
+    """``approve`` and ``deny``: answer an approval by its token, or by the run it holds."""
+    approved = args.command == "approve"
+    if (args.token is None) == (args.run is None):
+        raise CliError(f"{args.command}: give either a TOKEN or --run RUN", BAD_INPUT)
+    engine = session.engine()
+    token = args.token if args.token is not None else engine.approval_token(args.run)
+    session.need_redis()
+    session.follow()
+    run = engine.resume(token, approved=approved, reason=args.reason)
+    asked = next((s for s in reversed(engine.steps(run.id)) if s.kind == "wait"), None)
+    what = f"{asked.name}({render.short(asked.input, 60)})" if asked else "the call"
+    session.say(f"{'approved' if approved else 'denied'} {what} on run {run.id}")
+    session.settle()
+    return _report_run(session, engine.get_run(run.id))
+
+
+def cmd_cancel(session: Session, args: argparse.Namespace) -> int:
+    engine = session.engine()
+    engine.get_run(args.run)
+    session.need_redis()
+    run = engine.cancel(args.run)
+    session.raise_reported()
+    session.json({"run": render.run_json(run)})
+    session.say(render.run_line(run))
+    if run.status is RunStatus.RUNNING:
+        session.say("cancel requested: the execution holding it stops within about a second")
+    return 0
+
+
+def cmd_recover(session: Session, args: argparse.Namespace) -> int:
+    engine = session.engine()
+    session.need_redis()
+    session.follow()
+    requeued = engine.recover()
+    session.raise_reported()
+    session.say(f"recover: requeued {len(requeued)} run(s)")
+    session.settle()
+    runs = [engine.get_run(run_id) for run_id in requeued]
+    session.json({"requeued": requeued, "runs": [render.run_json(r) for r in runs]})
+    for run in runs:
+        session.say("  " + render.run_line(run))
+    return 0
+
+
+def cmd_tick(session: Session, args: argparse.Namespace) -> int:
+    engine = session.engine()
+    session.need_redis()
+    now = utcnow()
+    before = engine.list_runs(status=RunStatus.WAITING, limit=100_000)
+    session.follow()
+    engine.tick()
+    session.raise_reported()
+    session.settle()
+    after = {r.id: r for r in engine.list_runs(status=RunStatus.WAITING, limit=100_000)}
+    expired = [r.id for r in before if r.waiting and r.waiting.expires_at <= now]
+    expired = [run_id for run_id in expired if run_id not in after]
+    notified = [
+        r.id
+        for r in before
+        if r.waiting and r.waiting.notified_at is None and r.id in after
+        if (w := after[r.id].waiting) is not None and w.notified_at is not None
+    ]
+    session.json({"expired": expired, "notified": notified, "waiting": len(after)})
+    session.say(
+        f"tick: {len(expired)} expired approval(s) denied, {len(notified)} notification(s) "
+        f"sent, {len(after)} run(s) waiting"
+    )
+    return 0
+
+
+def cmd_demo(session: Session, args: argparse.Namespace) -> int:
+    from agentruns.demo import run_demo
+
+    return run_demo(as_json=session.as_json, out=session.out)
+
+
+def cmd_watch(session: Session, args: argparse.Namespace) -> int:
+    from agentruns.cli.watch import watch
+
+    return watch(session, run_id=args.run, until_final=args.until_final, interval=args.interval)
+
+
+# -- helpers ---------------------------------------------------------------------
+
+
+def _payload(raw: str | None) -> Any:
+    if raw is None:
+        return None
+    try:
+        return json.loads(raw)
+    except ValueError as exc:
+        raise CliError(f"--payload is not JSON: {exc}", BAD_INPUT) from None
+
+
+def _keys(pairs: list[str]) -> dict[str, str]:
+    keys: dict[str, str] = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name:
+            raise CliError(f"--key takes name=value, not {pair!r}", BAD_INPUT)
+        keys[name] = value
+    return keys
+
+
+def _report_run(session: Session, run: Run) -> int:
+    """The run as it stands after a command that may have executed it here."""
+    token = None
+    if run.status is RunStatus.WAITING:
+        token = session.engine().approval_token(run.id)
+    session.json({"run": render.run_json(run), "approval_token": token})
+    if not session.embedded and run.status is RunStatus.QUEUED:
+        session.say(f"queued for a worker; follow it with `agentruns watch --run {run.id}`")
+        return 0
+    if session.shown.get(run.id) != run.status.value:
+        session.say(render.run_line(run))
+    if token is not None:
+        session.say(f"  approve: agentruns approve {token}{session.secret_note()}")
+        session.say(f"  or:      agentruns approve --run {run.id}   /   deny --run {run.id}")
+    return 0

@@ -1,0 +1,93 @@
+"""Every failure the CLI can meet, as one line and an exit code (2: bad input, 1: the rest)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis
+import sqlalchemy.exc
+from pydantic import ValidationError
+from sqlalchemy.engine import make_url
+
+from agentruns.errors import (
+    AgentrunsError,
+    InvalidTokenError,
+    InvalidTriggerError,
+    NotMigratedError,
+    RunNotFoundError,
+    UnknownAgentError,
+)
+
+BAD_INPUT = 2
+FAILURE = 1
+
+TOKEN_PROBLEMS = {
+    "malformed": "this is not a resume token",
+    "bad_signature": "its signature does not match (altered, or minted with another "
+    "AGENTRUNS_SECRET)",
+    "expired": "the approval it answers has expired",
+    "stale": "the run is no longer waiting on it (already answered, cancelled or replaced)",
+}
+
+
+class CliError(Exception):
+    """A failure the CLI has already put into words."""
+
+    def __init__(self, message: str, code: int = FAILURE) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def safe_url(url: str) -> str:
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:
+        return url.split("@")[-1]
+
+
+def first_line(value: Any) -> str:
+    lines = [line.strip() for line in str(value).splitlines() if line.strip()]
+    return lines[0] if lines else type(value).__name__
+
+
+def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tuple[int, str]:
+    """The exit code and the one line to print for an exception."""
+    if isinstance(exc, CliError):
+        return exc.code, str(exc)
+    if isinstance(exc, InvalidTokenError):
+        default = f"invalid resume token: {exc.reason}"
+        detail = str(exc) if str(exc) != default else TOKEN_PROBLEMS[exc.reason]
+        return BAD_INPUT, f"invalid resume token ({exc.reason}): {detail}"
+    if isinstance(exc, RunNotFoundError):
+        return BAD_INPUT, f"no run with id {exc.run_id!r} (see `agentruns runs`)"
+    if isinstance(exc, UnknownAgentError | InvalidTriggerError):
+        return BAD_INPUT, str(exc)
+    if isinstance(exc, ValidationError):
+        problem = exc.errors()[0]
+        where = ".".join(str(p) for p in problem["loc"])
+        return BAD_INPUT, f"invalid setting AGENTRUNS_{where.upper()}: {problem['msg']}"
+    database = safe_url(database_url)
+    if isinstance(exc, NotMigratedError):
+        cause = exc.__cause__
+        if isinstance(cause, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
+            return FAILURE, unreachable_database(database, cause)
+        return FAILURE, str(exc)
+    if isinstance(exc, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
+        return FAILURE, unreachable_database(database, exc)
+    if isinstance(exc, sqlalchemy.exc.SQLAlchemyError):
+        return FAILURE, f"database error on {database}: {first_line(getattr(exc, 'orig', exc))}"
+    if isinstance(exc, redis.RedisError):
+        where = safe_url(redis_url) if redis_url else "Redis"
+        return FAILURE, f"cannot reach Redis at {where}: {first_line(exc)} (AGENTRUNS_REDIS_URL)"
+    if type(exc).__module__.startswith("kombu"):
+        return FAILURE, f"cannot reach the Celery broker: {first_line(exc)} (AGENTRUNS_BROKER_URL)"
+    if isinstance(exc, AgentrunsError):
+        return FAILURE, first_line(exc)
+    return FAILURE, f"unexpected {type(exc).__name__}: {first_line(exc)}"
+
+
+def unreachable_database(database: str, exc: sqlalchemy.exc.DBAPIError) -> str:
+    return (
+        f"cannot open the database {database}: {first_line(exc.orig)} "
+        "(check AGENTRUNS_DATABASE_URL; a new database needs `agentruns migrate`)"
+    )

@@ -1,0 +1,164 @@
+"""One CLI invocation: its settings, its engine (opened on first use) and its output."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import warnings
+from pathlib import Path
+from typing import Any, TextIO
+
+import redis
+from sqlalchemy.engine import make_url
+
+from agentruns.agent import Agent
+from agentruns.cli import render
+from agentruns.cli.errors import CliError, first_line
+from agentruns.engine import Engine
+from agentruns.events import Event
+from agentruns.settings import Settings
+from agentruns.wiring import engine_from_settings, load_agents
+
+
+def import_path() -> None:
+    """Let ``AGENTRUNS_AGENTS`` name modules in the working directory, as ``celery -A`` does."""
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+
+
+class Session:
+    def __init__(self, as_json: bool, out: TextIO | None = None) -> None:
+        self.as_json = as_json
+        self.out = out or sys.stdout
+        self._settings: Settings | None = None
+        self._engine: Engine | None = None
+        self.reported: list[Exception] = []
+        self.shown: dict[str, str] = {}  # run id -> the status last printed by follow()
+        self._print_lock = threading.Lock()
+
+    # -- output ---------------------------------------------------------------
+
+    def say(self, text: str = "") -> None:
+        """A line for people; nothing in ``--json`` mode."""
+        if not self.as_json:
+            self.emit(text)
+
+    def emit(self, text: str) -> None:
+        with self._print_lock:
+            print(text, file=self.out, flush=True)
+
+    def json(self, value: Any) -> None:
+        if self.as_json:
+            self.emit(render.as_json(value))
+
+    # -- configuration ---------------------------------------------------------
+
+    @property
+    def settings(self) -> Settings:
+        if self._settings is None:
+            self._settings = Settings()
+        return self._settings
+
+    def settings_or_none(self) -> Settings | None:
+        """The settings if they can be read (for describing an error that may be about them)."""
+        try:
+            return self.settings
+        except Exception:
+            return None
+
+    @property
+    def embedded(self) -> bool:
+        """No Redis configured: executions happen in this process, on the in-process scheduler."""
+        return not self.settings.redis_url
+
+    def engine(self) -> Engine:
+        if self._engine is None:
+            self._check_sqlite_file()
+            agents = self._agents()
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # "no secret": said where it matters, below
+                self._engine = engine_from_settings(
+                    self.settings, agents=agents, on_error=self.reported.append
+                )
+        return self._engine
+
+    def _agents(self) -> list[Agent]:
+        import_path()
+        try:
+            return load_agents(self.settings.agent_modules)
+        except Exception as exc:
+            raise CliError(
+                f"cannot import the agent modules {self.settings.agents!r} "
+                f"(AGENTRUNS_AGENTS): {type(exc).__name__}: {first_line(exc)}"
+            ) from None
+
+    def _check_sqlite_file(self) -> None:
+        # Opening a missing SQLite file would create an empty one; say what to do instead.
+        url = make_url(self.settings.database_url)
+        path = url.database
+        missing = path and path != ":memory:" and not Path(path).exists()
+        if url.get_backend_name() == "sqlite" and missing:
+            raise CliError(
+                f"the database {self.settings.database_url} does not exist: "
+                "run `agentruns migrate` to create it (or set AGENTRUNS_DATABASE_URL)"
+            )
+
+    def need_redis(self) -> None:
+        """Fail in one line, before anything is written, if Redis or the broker is down."""
+        if self.embedded:
+            return
+        urls = {self.settings.redis_url, self.settings.effective_broker_url}
+        for url in sorted(u for u in urls if u and u.startswith(("redis://", "rediss://"))):
+            client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
+            try:
+                client.ping()
+            finally:
+                client.close()
+
+    def secret_note(self) -> str:
+        if self.settings.secret:
+            return ""
+        return (
+            "  (AGENTRUNS_SECRET is unset, so this token works only in this process; "
+            "use `--run RUN` instead)"
+        )
+
+    # -- executions in this process ------------------------------------------------
+
+    def follow(self) -> None:
+        """Print steps and status changes as they happen in this process (embedded mode)."""
+        if self.as_json or not self.embedded:
+            return
+        engine = self.engine()
+        last = self.shown
+
+        def on_step(event: Event) -> None:
+            if event.step is not None:
+                self.emit("  " + render.step_line(event.step))
+
+        def on_run(event: Event) -> None:
+            run = event.run
+            if run is not None and last.get(run.id) != run.status.value:
+                last[run.id] = run.status.value
+                self.emit("  " + render.run_line(run))
+
+        engine.on("step.appended", on_step)
+        engine.on("run.updated", on_run)
+
+    def settle(self) -> None:
+        """Wait for the executions this process started (embedded mode) to finish or pause."""
+        if self._engine is not None:
+            self._engine.idle()
+
+    def raise_reported(self) -> None:
+        """An infrastructure failure an engine swallowed and reported is this command's failure."""
+        for exc in self.reported:
+            if Engine.is_infrastructure_error(exc) or isinstance(exc, redis.RedisError):
+                raise exc
+
+    def close(self) -> None:
+        if self._engine is not None:
+            engine, self._engine = self._engine, None
+            engine.close()

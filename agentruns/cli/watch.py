@@ -1,0 +1,97 @@
+"""``agentruns watch``: follow runs by polling the store, printing status changes and new steps.
+
+Polling works the same for every process that shares the database (a CLI, the
+demo, Celery workers on other hosts), so there is no event bus to configure.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from datetime import datetime
+from typing import Any
+
+from agentruns.cli import render
+from agentruns.cli.session import Session
+from agentruns.engine import Engine
+from agentruns.runs import Run, RunStatus, Step
+
+ACTIVE = [RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.WAITING, RunStatus.INTERRUPTED]
+
+
+class _Follower:
+    def __init__(self, session: Session, engine: Engine, history: bool) -> None:
+        self.session = session
+        self.engine = engine
+        self.history = history  # print the steps a run already had when first seen
+        self.updated: dict[str, datetime] = {}
+        self.status: dict[str, RunStatus] = {}
+        self.steps: dict[str, int] = {}
+
+    def poll(self, runs: list[Run], baseline: bool) -> None:
+        for run in sorted(runs, key=lambda r: r.created_at):
+            if self.updated.get(run.id) == run.updated_at:
+                continue
+            self.updated[run.id] = run.updated_at
+            new = run.id not in self.status
+            if baseline and run.status.is_final and not self.history:
+                self.status[run.id] = run.status
+                continue
+            if new:
+                self._run(run)
+            steps = self.engine.steps(run.id)
+            if new and not self.history:
+                self.steps[run.id] = len(steps) if baseline else 0
+            for step in steps[self.steps.get(run.id, 0) :]:
+                self._step(step)
+            self.steps[run.id] = len(steps)
+            if not new and self.status[run.id] != run.status:
+                self._run(run)
+            self.status[run.id] = run.status
+
+    def settled(self) -> bool:
+        return all(status.is_final for status in self.status.values())
+
+    def _run(self, run: Run) -> None:
+        if self.session.as_json:
+            self._json({"event": "run.updated", "run": render.run_json(run)})
+        else:
+            self.session.emit(f"{render.clock(run.updated_at)}  {render.run_line(run)}")
+
+    def _step(self, step: Step) -> None:
+        if self.session.as_json:
+            self._json({"event": "step.appended", "step": step.model_dump(mode="json")})
+        else:
+            at = render.clock(step.finished_at)
+            self.session.emit(f"{at}    {step.run_id[:8]} {render.step_line(step)}")
+
+    def _json(self, value: Any) -> None:
+        self.session.emit(json.dumps(value, ensure_ascii=False))
+
+
+def _runs(engine: Engine, run_id: str | None) -> list[Run]:
+    if run_id is not None:
+        return [engine.get_run(run_id)]
+    found = {r.id: r for r in engine.list_runs(limit=100)}
+    for status in ACTIVE:
+        found.update((r.id, r) for r in engine.list_runs(status=status, limit=1000))
+    return list(found.values())
+
+
+def watch(session: Session, *, run_id: str | None, until_final: bool, interval: float) -> int:
+    engine = session.engine()
+    follower = _Follower(session, engine, history=run_id is not None)
+    baseline = True
+    if not session.as_json:
+        target = f"run {run_id}" if run_id else "all runs"
+        stop = "it settles" if until_final else "Ctrl-C"
+        session.emit(f"watching {target} every {interval:g}s until {stop}")
+    try:
+        while True:
+            follower.poll(_runs(engine, run_id), baseline)
+            baseline = False
+            if until_final and follower.settled():
+                return 0
+            time.sleep(interval)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,66 @@
+"""Agents the Celery workers of tests/test_celery.py import (``AGENTRUNS_AGENTS``).
+
+Tools append ``<tool> <run id> <pid>`` lines to the file named by
+``AGENTRUNS_TEST_LOG``, so a test can count tool calls across worker processes.
+Model latency (``AGENTRUNS_TEST_LATENCY``) keeps a run mid-step long enough
+for a test to kill or stop the worker that holds it.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from agentruns import Agent, Budget, ToolContext, tool
+from agentruns.models import ScriptedModel, text, tool_use
+
+LATENCY = float(os.environ.get("AGENTRUNS_TEST_LATENCY", "0.4"))
+
+
+def log(line: str) -> None:
+    path = os.environ.get("AGENTRUNS_TEST_LOG")
+    if path:
+        # One short O_APPEND write per line: lines from several processes don't interleave.
+        with open(path, "a") as f:
+            f.write(f"{line} {os.getpid()}\n")
+
+
+@tool
+def note(text: str, ctx: ToolContext) -> str:
+    """Write a note."""
+    log(f"note {ctx.run.id}")
+    return f"noted {text}"
+
+
+@tool(effect=True)
+def charge(amount: int, ctx: ToolContext) -> dict[str, Any]:
+    """Charge a card: a side effect that must happen once per call."""
+    log(f"charge {ctx.run.id}")
+    return {"charged": amount, "key": ctx.idempotency_key}
+
+
+QUICK_SCRIPT = [tool_use("note", {"text": "hello"}), text("Done.")]
+
+quick = Agent(
+    "quick",
+    ScriptedModel(QUICK_SCRIPT, latency_s=0.02),
+    instructions="Take one note.",
+    tools=[note],
+)
+
+# Long enough to be caught mid-run: the charge comes early, then more model calls.
+CHARGE_SCRIPT = [
+    tool_use("note", {"text": "before"}),
+    tool_use("charge", {"amount": 5}),
+    tool_use("note", {"text": "after"}),
+    tool_use("note", {"text": "later"}),
+    text("Charged."),
+]
+
+charger = Agent(
+    "charger",
+    ScriptedModel(CHARGE_SCRIPT, latency_s=LATENCY),
+    instructions="Charge once.",
+    tools=[note, charge],
+    budget=Budget(max_steps=10),
+)

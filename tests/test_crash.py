@@ -177,6 +177,30 @@ def test_unknown_effect_outcome_with_fail_fails_the_run(
     assert len([line for line in helper.lines() if line.startswith("charge")]) == 1
 
 
+def test_unknown_effect_outcome_with_approve_asks_a_human_before_calling_again(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("unknown_approve", trigger({}))
+    helper = spawn(run.id, hang="charge")
+    helper.wait_for_line("hanging charge")
+    kill9(helper)
+
+    rescuer = make_engine(AGENTS)
+    recover_when_lease_expires(rescuer, run.id)
+    assert rescuer.idle(20)
+    waiting = rescuer.get_run(run.id)
+    assert waiting.status is RunStatus.WAITING
+    assert waiting.waiting is not None and waiting.waiting.tool_name == "charge_or_ask"
+    assert len([line for line in helper.lines() if line.startswith("charge")]) == 1
+
+    rescuer.resume(rescuer.approval_token(run.id), approved=True)
+    assert rescuer.idle(20)
+    assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
+    charges = [line.split()[1] for line in helper.lines() if line.startswith("charge")]
+    assert len(charges) == 2 and charges[0] == charges[1]
+
+
 def test_a_stopped_owner_loses_the_run_and_writes_nothing_after_it_continues(
     make_engine: EngineFactory, spawn: Any
 ) -> None:

@@ -405,7 +405,7 @@ class SqlStore:
         if guard.epoch is not None:
             stmt = stmt.where(R.c.epoch == guard.epoch)
         if guard.token_id is not None:
-            stmt = stmt.where(self._token_id_expr() == guard.token_id)
+            stmt = stmt.where(R.c.waiting["token_id"].as_string() == guard.token_id)
         stmt = stmt.values(**values).returning(*R.c)
 
         with self.engine.begin() as conn:
@@ -458,10 +458,6 @@ class SqlStore:
                 )
         return Committed(run=_run_from_row(row), steps=steps)
 
-    def _token_id_expr(self) -> Any:
-        if self.engine.dialect.name == "postgresql":
-            return R.c.waiting["token_id"].astext
-        return sa.func.json_extract(R.c.waiting, "$.token_id")
 
     def request_cancel(self, run_id: str) -> Run:
         """Cancel a queued, waiting or interrupted run at once; flag a running one."""

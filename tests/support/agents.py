@@ -62,6 +62,14 @@ def charge_or_fail(amount: int, ctx: ToolContext) -> dict[str, Any]:
     return {"charged": amount}
 
 
+@tool(effect=True, on_unknown="approve")
+def charge_or_ask(amount: int, ctx: ToolContext) -> dict[str, Any]:
+    """Charge, asking a human whether to charge again if a crash leaves the outcome unknown."""
+    log(f"charge {ctx.idempotency_key}")
+    hang_here("charge")
+    return {"charged": amount}
+
+
 STEPS = [
     tool_use("note", {"text": "one"}),
     tool_use("note", {"text": "two"}),
@@ -98,4 +106,16 @@ unknown_fail_agent = Agent(
     tools=[charge_or_fail],
 )
 
-AGENTS = [steps_agent, effect_agent, unknown_retry_agent, unknown_fail_agent]
+unknown_approve_agent = Agent(
+    "unknown_approve",
+    ScriptedModel([tool_use("charge_or_ask", {"amount": 7}), text("Charged.")]),
+    tools=[charge_or_ask],
+)
+
+AGENTS = [
+    steps_agent,
+    effect_agent,
+    unknown_retry_agent,
+    unknown_fail_agent,
+    unknown_approve_agent,
+]

@@ -1,0 +1,290 @@
+"""Approvals: waiting runs and signed, expiring, single-use resume tokens."""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+
+from agentruns import (
+    Agent,
+    Engine,
+    InvalidTokenError,
+    Run,
+    RunStatus,
+    ToolContext,
+    WaitPoint,
+    tool,
+)
+from agentruns.models import ScriptedModel, text, tool_use
+from tests.conftest import EngineFactory, Errors, trigger
+
+
+class Calls(list[tuple[str, dict[str, Any]]]):
+    def names(self) -> list[str]:
+        return [name for name, _ in self]
+
+
+@pytest.fixture
+def calls() -> Calls:
+    return Calls()
+
+
+def tracker_tools(calls: Calls) -> list[Any]:
+    @tool(effect=True, needs_approval=True)
+    def post_comment(issue: str, body: str, ctx: ToolContext) -> dict[str, Any]:
+        """Post a comment."""
+        calls.append(("post_comment", {"issue": issue, "body": body}))
+        return {"posted": True}
+
+    @tool(needs_approval=lambda args, ctx: args["label"] == "wontfix")
+    def label(issue: str, label: str) -> str:
+        """Label an issue; wontfix needs a human."""
+        calls.append(("label", {"issue": issue, "label": label}))
+        return "labelled"
+
+    @tool
+    def search(query: str) -> list[str]:
+        """Search."""
+        calls.append(("search", {"query": query}))
+        return ["#1"]
+
+    return [post_comment, label, search]
+
+
+def comment_agent(calls: Calls, **kwargs: Any) -> tuple[Agent, ScriptedModel]:
+    model = ScriptedModel(
+        [tool_use("post_comment", {"issue": "7", "body": "Duplicate of #1"}), text("Done.")]
+    )
+    return Agent("triage", model, tools=tracker_tools(calls), **kwargs), model
+
+
+def wait_until_waiting(engine: Engine, run_id: str) -> Run:
+    assert engine.idle(10)
+    run = engine.get_run(run_id)
+    assert run.status is RunStatus.WAITING, run
+    return run
+
+
+def test_approve_runs_the_tool_once_and_completes(make_engine: EngineFactory, calls: Calls) -> None:
+    agent, model = comment_agent(calls)
+    engine = make_engine([agent])
+    run = engine.dispatch("triage", trigger({"issue": 7}))
+    run = wait_until_waiting(engine, run.id)
+    assert run.claim is None and calls == []
+    wait = run.waiting
+    assert wait is not None and wait.tool_name == "post_comment"
+    assert wait.input == {"issue": "7", "body": "Duplicate of #1"}
+
+    resumed = engine.resume(engine.approval_token(run.id), approved=True, reason="fine")
+    assert resumed.status is RunStatus.QUEUED and resumed.waiting is None
+    assert engine.idle(10)
+    done = engine.get_run(run.id)
+    assert done.status is RunStatus.COMPLETED
+    assert calls.names() == ["post_comment"]
+    assert len(model.calls) == 2
+    kinds = [(s.kind, s.name) for s in engine.steps(run.id)]
+    assert kinds == [
+        ("llm", "scripted"),
+        ("wait", "post_comment"),
+        ("tool", "post_comment"),
+        ("llm", "scripted"),
+    ]
+    wait_step = engine.steps(run.id)[1]
+    assert wait_step.output == {"approval_id": wait.approval_id, "approved": True, "reason": "fine"}
+
+
+def test_deny_reaches_the_model_with_the_reason_and_never_runs_the_tool(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    agent, model = comment_agent(calls)
+    engine = make_engine([agent])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    engine.resume(engine.approval_token(run.id), approved=False, reason="too rude")
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    assert calls == []
+    result = model.calls[1][-1]["content"][0]
+    assert result["is_error"] is True and "too rude" in result["content"]
+
+
+def _tamper(token: str) -> str:
+    body, sig = token.split(".")
+    claims = json.loads(base64.urlsafe_b64decode(body + "=" * (-len(body) % 4)))
+    claims["r"] = "someone-else"
+    forged = base64.urlsafe_b64encode(json.dumps(claims).encode()).rstrip(b"=").decode()
+    return f"{forged}.{sig}"
+
+
+def test_bad_tokens_are_refused_with_their_reason_and_change_nothing(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    agent, _ = comment_agent(calls)
+    engine = make_engine([agent])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    token = engine.approval_token(run.id)
+    foreign = make_engine([agent], secret="another-secret")
+    before = (engine.get_run(run.id), engine.steps(run.id))
+
+    cases = {
+        "malformed": ["", "nonsense", "a.b.c", "!!!.###"],
+        "bad_signature": [_tamper(token), token[:-2] + ("AA" if token[-2:] != "AA" else "BB")],
+    }
+    for reason, tokens in cases.items():
+        for bad in tokens:
+            with pytest.raises(InvalidTokenError) as err:
+                engine.resume(bad, approved=True)
+            assert err.value.reason == reason, bad
+    with pytest.raises(InvalidTokenError) as err:
+        foreign.resume(token, approved=True)
+    assert err.value.reason == "bad_signature"
+    assert (engine.get_run(run.id), engine.steps(run.id)) == before
+
+    engine.resume(token, approved=False)
+    with pytest.raises(InvalidTokenError) as err:
+        engine.resume(token, approved=True)  # reused
+    assert err.value.reason == "stale"
+
+
+def test_expired_token_is_refused_and_tick_denies_the_expired_wait(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    agent, model = comment_agent(calls, approval_ttl=timedelta(seconds=0.5))
+    engine = make_engine([agent])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    token = engine.approval_token(run.id)
+    time.sleep(1.1)
+    with pytest.raises(InvalidTokenError) as err:
+        engine.resume(token, approved=True)
+    assert err.value.reason == "expired"
+    assert engine.get_run(run.id).status is RunStatus.WAITING
+
+    engine.tick()
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    assert calls == []
+    assert "approval expired" in model.calls[1][-1]["content"][0]["content"]
+    wait_steps = [s for s in engine.steps(run.id) if s.kind == "wait"]
+    assert wait_steps[0].output["reason"] == "approval expired"
+    engine.tick()  # idempotent
+    assert len([s for s in engine.steps(run.id) if s.kind == "wait"]) == 1
+
+
+def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(
+    make_engine: EngineFactory, calls: Calls, errors: Errors
+) -> None:
+    attempts: list[str] = []
+    delivered: list[tuple[str, WaitPoint, str]] = []
+
+    def notifier(run: Run, wait: WaitPoint, token: str) -> None:
+        attempts.append(run.id)
+        if len(attempts) <= 2:
+            raise ConnectionError("chat is down")
+        delivered.append((run.id, wait, token))
+
+    agent, _ = comment_agent(calls, notifier=notifier)
+    engine = make_engine([agent])
+    other = make_engine([agent])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    assert len(attempts) == 1 and engine.get_run(run.id).waiting.notified_at is None  # type: ignore[union-attr]
+    engine.tick()
+    assert len(attempts) == 2 and delivered == []
+    other.tick()
+    assert len(attempts) == 3 and len(delivered) == 1
+    engine.tick()
+    other.tick()
+    assert len(attempts) == 3
+    waiting = engine.get_run(run.id)
+    assert waiting.status is RunStatus.WAITING
+    assert waiting.waiting is not None and waiting.waiting.notified_at is not None
+    assert len([e for e in errors if isinstance(e, ConnectionError)]) == 2
+    # The token the notifier got works.
+    engine.resume(delivered[0][2], approved=True)
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+
+
+def test_two_approvals_in_one_step_pause_one_at_a_time_and_the_model_is_called_twice(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    model = ScriptedModel(
+        [
+            [
+                tool_use("post_comment", {"issue": "1", "body": "a"}),
+                tool_use("search", {"query": "dupes"}),
+                tool_use("post_comment", {"issue": "2", "body": "b"}),
+            ],
+            text("Both handled."),
+        ]
+    )
+    engine = make_engine([Agent("triage", model, tools=tracker_tools(calls))])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    assert calls.names() == ["search"]  # calls that need no approval run as usual
+    first = run.waiting
+    assert first is not None and first.input == {"issue": "1", "body": "a"}
+
+    engine.resume(engine.approval_token(run.id), approved=True)
+    run = wait_until_waiting(engine, run.id)
+    second = run.waiting
+    assert second is not None and second.input == {"issue": "2", "body": "b"}
+    assert second.approval_id != first.approval_id
+    assert len(model.calls) == 1  # re-paused without asking the model
+
+    engine.resume(engine.approval_token(run.id), approved=False, reason="no")
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    assert len(model.calls) == 2
+    assert calls.names() == ["search", "post_comment"]
+    results = model.calls[1][-1]["content"]
+    assert [r["tool_use_id"] for r in results] == [b["id"] for b in model.calls[1][-2]["content"]]
+    assert [r.get("is_error", False) for r in results] == [False, False, True]
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None and checkpoint.step_index == 1
+
+
+def test_a_callable_needs_approval_pauses_only_when_it_says_so(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    model = ScriptedModel(
+        [
+            tool_use("label", {"issue": "1", "label": "bug"}),
+            tool_use("label", {"issue": "1", "label": "wontfix"}),
+            text("ok"),
+        ]
+    )
+    engine = make_engine([Agent("triage", model, tools=tracker_tools(calls))])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    assert calls == [("label", {"issue": "1", "label": "bug"})]
+    assert run.waiting is not None and run.waiting.input["label"] == "wontfix"
+
+
+def test_a_waiting_run_survives_its_engine(make_engine: EngineFactory, calls: Calls) -> None:
+    agent, _ = comment_agent(calls)
+    first = make_engine([agent])
+    run = wait_until_waiting(first, first.dispatch("triage", trigger({})).id)
+    token = first.approval_token(run.id)
+    first.close()
+
+    second = make_engine([agent])
+    second.resume(token, approved=True)
+    assert second.idle(10)
+    assert second.get_run(run.id).status is RunStatus.COMPLETED
+    assert calls.names() == ["post_comment"]
+
+
+def test_cancel_while_waiting_makes_the_token_stale(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    agent, _ = comment_agent(calls)
+    engine = make_engine([agent])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    token = engine.approval_token(run.id)
+    assert engine.cancel(run.id).status is RunStatus.CANCELLED
+    with pytest.raises(InvalidTokenError) as err:
+        engine.resume(token, approved=True)
+    assert err.value.reason == "stale"
+    assert calls == []

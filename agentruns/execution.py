@@ -316,6 +316,8 @@ class Execution:
             for c in calls
         ]
         message = transcript.results_message(results)
+        # The new message must answer every call: checked per step, not per transcript.
+        transcript.check_answered(calls, message, len(messages))
         self._commit(
             Commit(
                 steps=tool_steps,

@@ -44,13 +44,13 @@ def validate(messages: list[Message], *, open_tail: bool) -> None:
         if expected == "assistant":
             calls = tool_calls(message)
             if calls and i + 1 < len(messages):
-                _check_answered(calls, messages[i + 1], i + 1)
+                check_answered(calls, messages[i + 1], i + 1)
             elif calls and not open_tail:
                 raise InvalidCheckpointError(f"the tool calls of message {i} are unanswered")
         expected = "assistant" if expected == "user" else "user"
 
 
-def _check_answered(calls: list[dict[str, Any]], answer: Message, index: int) -> None:
+def check_answered(calls: list[dict[str, Any]], answer: Message, index: int) -> None:
     content = answer.get("content")
     blocks = content if isinstance(content, list) else []
     answered = {

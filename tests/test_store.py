@@ -1,0 +1,126 @@
+"""The store's contract: migrations, guarded writes, the one-running-per-key index."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import timedelta
+
+import psycopg
+import pytest
+
+from agentruns import Agent, Engine, LeaseLostError, RunStatus, SqlStore, TriggerEnvelope
+from agentruns.errors import NotMigratedError
+from agentruns.migrate import migrate
+from agentruns.models import ScriptedModel, text
+from agentruns.runs import utcnow
+from agentruns.store.base import Commit, Guard, NewRun, NewStep
+from tests.conftest import PG_ADMIN, _pg_url
+
+
+def new_run(key: str | None = None, idem: str | None = None) -> NewRun:
+    return NewRun(
+        id=str(uuid.uuid4()),
+        agent="a",
+        trigger=TriggerEnvelope(source="manual", trigger="manual", payload={}),
+        idempotency_key=idem,
+        concurrency_key=key,
+        thread=None,
+        budget=None,
+    )
+
+
+def soon() -> object:
+    return utcnow() + timedelta(seconds=30)
+
+
+@pytest.fixture
+def empty_pg() -> object:
+    name = f"agentruns_empty_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield _pg_url(name)
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def test_an_engine_refuses_an_unmigrated_database_naming_agentruns_migrate(
+    empty_pg: str, tmp_path: object
+) -> None:
+    agent = Agent("a", ScriptedModel([text("ok")]))
+    for url in (empty_pg, f"sqlite:///{tmp_path}/fresh.db"):
+        with pytest.raises(NotMigratedError, match="agentruns migrate"):
+            Engine(SqlStore(url), agents=[agent], secret="s")
+        assert migrate(url) == migrate(url)  # idempotent
+        Engine(SqlStore(url), agents=[agent], secret="s").close()
+
+
+def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url: str) -> None:
+    store = SqlStore(db_url)
+    run, _ = store.create_run(new_run())
+    first = store.claim(run.id, "one", soon())
+    assert first is not None
+    ref = next(r for r in store.sweep_candidates(utcnow()) if r.id == run.id)
+    assert store.requeue(ref)
+    second = store.claim(run.id, "two", soon())
+    assert second is not None and second.epoch == first.epoch + 1
+
+    now = utcnow()
+    step = NewStep(kind="llm", name="m", started_at=now, finished_at=now)
+    with pytest.raises(LeaseLostError):
+        store.commit(
+            run.id,
+            Guard(status=RunStatus.RUNNING, epoch=first.epoch),
+            Commit(steps=[step], messages=[{"role": "user", "content": "x"}]),
+        )
+    assert store.steps(run.id) == []
+    assert store.transcript(run.id).messages == []
+    assert store.renew_claim(run.id, first.epoch, soon()) is None
+    assert store.renew_claim(run.id, second.epoch, soon()) is False
+    store.close()
+
+
+def test_the_database_allows_one_running_run_per_concurrency_key(db_url: str) -> None:
+    store = SqlStore(db_url)
+    older, _ = store.create_run(new_run(key="k"))
+    newer, _ = store.create_run(new_run(key="k"))
+    assert store.claim(newer.id, "x", soon()) is None  # an older run of the key is queued
+    assert store.claim(older.id, "x", soon()) is not None
+    assert store.claim(newer.id, "x", soon()) is None  # the key is busy
+    # Even a write that skips the claim's checks is stopped by the partial unique index.
+    with (
+        pytest.raises(psycopg.errors.UniqueViolation),
+        psycopg.connect(db_url.replace("+psycopg", "")) as conn,
+    ):
+        conn.execute("UPDATE agentruns_runs SET status = 'running' WHERE id = %s", (newer.id,))
+    assert store.next_queued("k") == newer.id
+    store.close()
+
+
+def test_idempotency_keys_are_unique(db_url: str) -> None:
+    store = SqlStore(db_url)
+    first, created = store.create_run(new_run(idem="evt-1"))
+    again, created_again = store.create_run(new_run(idem="evt-1"))
+    assert created and not created_again and again.id == first.id
+    store.close()
+
+
+def test_a_checkpoint_with_the_same_step_index_replaces_the_pointer(db_url: str) -> None:
+    store = SqlStore(db_url)
+    run, _ = store.create_run(new_run())
+    claimed = store.claim(run.id, "x", soon())
+    assert claimed is not None
+    guard = Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
+    user = {"role": "user", "content": "hi"}
+    call = {"type": "tool_use", "id": "t1", "name": "x", "input": {}}
+    store.commit(run.id, guard, Commit(messages=[user, {"role": "assistant", "content": [call]}]))
+    store.commit(run.id, guard, Commit(checkpoint=(0, "tool_use")))
+    first = store.checkpoint(run.id)
+    assert first is not None and len(first.messages) == 2
+    result = {
+        "role": "user",
+        "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}],
+    }
+    store.commit(run.id, guard, Commit(messages=[result], checkpoint=(0, "tool_use")))
+    second = store.checkpoint(run.id)
+    assert second is not None and second.step_index == 0 and len(second.messages) == 3
+    store.close()

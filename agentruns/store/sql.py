@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
@@ -42,7 +43,7 @@ S = schema.steps
 M = schema.messages
 E = schema.effects
 
-_FINAL = [s.value for s in RunStatus.FINAL]
+_COMMIT_SQL = (Path(__file__).parent / "commit.sql").read_text()
 
 
 def _dumps(value: Any) -> str:
@@ -86,7 +87,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         return engine
     kwargs.setdefault("pool_size", 10)
     kwargs.setdefault("max_overflow", 20)
-    kwargs.setdefault("pool_pre_ping", True)
+    # No pre-ping round trip per checkout: a dead connection fails its write, which
+    # aborts the execution (recover() finishes the run), and SQLAlchemy then
+    # replaces the pool's connections.
+    kwargs.setdefault("pool_recycle", 1800)
     return sa.create_engine(url, json_serializer=_dumps, **kwargs)
 
 
@@ -122,6 +126,24 @@ def _run_from_row(row: RowMapping) -> Run:
     )
 
 
+def _new_steps(row: RowMapping, run_id: str, commit: Commit) -> list[Step]:
+    first = row["step_count"] - len(commit.steps)
+    return [
+        Step(
+            run_id=run_id,
+            index=first + i,
+            kind=s.kind,
+            name=s.name,
+            input=s.input,
+            output=s.output,
+            error=s.error,
+            started_at=s.started_at,
+            finished_at=s.finished_at,
+        )
+        for i, s in enumerate(commit.steps)
+    ]
+
+
 def _step_from_row(row: RowMapping) -> Step:
     return Step(
         run_id=row["run_id"],
@@ -142,6 +164,9 @@ class SqlStore:
     def __init__(self, url: str, **engine_kwargs: Any) -> None:
         self.url = url
         self.engine = make_engine(url, **engine_kwargs)
+        self._postgres = self.engine.dialect.name == "postgresql"
+        # Single-statement writes need no BEGIN/COMMIT round trips.
+        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         self._checked = False
 
     # -- schema ------------------------------------------------------------
@@ -358,6 +383,74 @@ class SqlStore:
         that raises ``LeaseLostError``. Other guards return None.
         """
         now = utcnow()
+        if self._postgres:
+            row = self._commit_statement(run_id, guard, commit, now)
+            if row is None:
+                if guard.status == RunStatus.RUNNING:
+                    raise LeaseLostError(run_id)
+                return None
+            return Committed(run=_run_from_row(row), steps=_new_steps(row, run_id, commit))
+        return self._commit_transaction(run_id, guard, commit, now)
+
+    def _commit_statement(
+        self, run_id: str, guard: Guard, commit: Commit, now: datetime
+    ) -> RowMapping | None:
+        usage = commit.usage or Usage()
+        final = commit.status is not None and commit.status.is_final
+        params = {
+            "now": now,
+            "run_id": run_id,
+            "guard_status": guard.status.value,
+            "guard_epoch": guard.epoch,
+            "guard_token": guard.token_id,
+            "n_steps": len(commit.steps),
+            "n_messages": len(commit.messages),
+            "model_calls": commit.model_calls,
+            "input_tokens": usage.input_tokens,
+            "output_tokens": usage.output_tokens,
+            "cache_creation": usage.cache_creation_input_tokens,
+            "cache_read": usage.cache_read_input_tokens,
+            "checkpoint": commit.checkpoint is not None,
+            "checkpoint_step": commit.checkpoint[0] if commit.checkpoint else None,
+            "checkpoint_reason": commit.checkpoint[1] if commit.checkpoint else None,
+            "set_state": commit.state is not None,
+            "state": _dumps(commit.state) if commit.state is not None else None,
+            "set_pending": commit.pending is not _UNSET,
+            "pending": _dumps(commit.pending) if commit.pending not in (_UNSET, None) else None,
+            "status": commit.status.value if commit.status is not None else None,
+            "final": final,
+            "output": commit.output,
+            "set_error": commit.error is not None,
+            "error": _dumps(commit.error.model_dump(mode="json")) if commit.error else None,
+            "set_waiting": commit.waiting is not _UNSET,
+            "waiting": (
+                _dumps(commit.waiting.model_dump(mode="json"))
+                if commit.waiting not in (_UNSET, None)
+                else None
+            ),
+            "release": commit.release_claim,
+            "steps": _dumps(
+                [
+                    {
+                        "kind": s.kind,
+                        "name": s.name,
+                        "input": s.input,
+                        "output": s.output,
+                        "error": s.error,
+                        "started_at": s.started_at.isoformat(),
+                        "finished_at": s.finished_at.isoformat(),
+                    }
+                    for s in commit.steps
+                ]
+            ),
+            "messages": _dumps(commit.messages),
+        }
+        with self._autocommit.connect() as conn:
+            return conn.exec_driver_sql(_COMMIT_SQL, params).mappings().first()
+
+    def _commit_transaction(
+        self, run_id: str, guard: Guard, commit: Commit, now: datetime
+    ) -> Committed | None:
         n_steps, n_msgs = len(commit.steps), len(commit.messages)
         values: dict[str, Any] = {"updated_at": now}
         if n_steps:
@@ -414,22 +507,8 @@ class SqlStore:
                 if guard.status == RunStatus.RUNNING:
                     raise LeaseLostError(run_id)
                 return None
-            first_step = row["step_count"] - n_steps
+            steps = _new_steps(row, run_id, commit)
             first_msg = row["message_count"] - n_msgs
-            steps = [
-                Step(
-                    run_id=run_id,
-                    index=first_step + i,
-                    kind=s.kind,
-                    name=s.name,
-                    input=s.input,
-                    output=s.output,
-                    error=s.error,
-                    started_at=s.started_at,
-                    finished_at=s.finished_at,
-                )
-                for i, s in enumerate(commit.steps)
-            ]
             if steps:
                 conn.execute(
                     S.insert(),
@@ -457,7 +536,6 @@ class SqlStore:
                     ],
                 )
         return Committed(run=_run_from_row(row), steps=steps)
-
 
     def request_cancel(self, run_id: str) -> Run:
         """Cancel a queued, waiting or interrupted run at once; flag a running one."""

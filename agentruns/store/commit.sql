@@ -1,0 +1,49 @@
+-- One guarded write to a run, as ONE statement (Postgres): the run row update
+-- and the appended steps and messages happen together or not at all, and cost
+-- one round trip. Appends get their indexes from the run's counters, under the
+-- row lock the update takes. A guard that matches no row inserts nothing.
+WITH run AS (
+    UPDATE agentruns_runs SET
+        updated_at = %(now)s,
+        step_count = step_count + %(n_steps)s,
+        message_count = message_count + %(n_messages)s,
+        steps_used = steps_used + %(model_calls)s,
+        input_tokens = input_tokens + %(input_tokens)s,
+        output_tokens = output_tokens + %(output_tokens)s,
+        cache_creation_input_tokens = cache_creation_input_tokens + %(cache_creation)s,
+        cache_read_input_tokens = cache_read_input_tokens + %(cache_read)s,
+        checkpoint_step = CASE WHEN %(checkpoint)s THEN %(checkpoint_step)s ELSE checkpoint_step END,
+        checkpoint_reason = CASE WHEN %(checkpoint)s THEN %(checkpoint_reason)s ELSE checkpoint_reason END,
+        checkpoint_messages = CASE WHEN %(checkpoint)s THEN message_count + %(n_messages)s
+                                   ELSE checkpoint_messages END,
+        checkpoint_at = CASE WHEN %(checkpoint)s THEN %(now)s ELSE checkpoint_at END,
+        state = CASE WHEN %(set_state)s THEN %(state)s::json ELSE state END,
+        pending = CASE WHEN %(set_pending)s THEN %(pending)s::json ELSE pending END,
+        status = COALESCE(%(status)s, status),
+        finished_at = CASE WHEN %(final)s THEN %(now)s ELSE finished_at END,
+        output = COALESCE(%(output)s, output),
+        error = CASE WHEN %(set_error)s THEN %(error)s::json ELSE error END,
+        waiting = CASE WHEN %(set_waiting)s THEN %(waiting)s::json ELSE waiting END,
+        claim_owner = CASE WHEN %(release)s THEN NULL ELSE claim_owner END,
+        claim_expires_at = CASE WHEN %(release)s THEN NULL ELSE claim_expires_at END
+    WHERE id = %(run_id)s
+      AND status = %(guard_status)s
+      AND (%(guard_epoch)s::int IS NULL OR epoch = %(guard_epoch)s::int)
+      AND (%(guard_token)s::text IS NULL OR waiting ->> 'token_id' = %(guard_token)s::text)
+    RETURNING *
+), new_steps AS (
+    INSERT INTO agentruns_steps
+        (run_id, idx, kind, name, input, output, error, started_at, finished_at)
+    SELECT run.id, run.step_count - %(n_steps)s + s.ord - 1,
+           s.kind, s.name, s.input, s.output, s.error, s.started_at, s.finished_at
+    FROM run, ROWS FROM (
+        json_to_recordset(%(steps)s::json) AS (
+            kind text, name text, input json, output json, error json,
+            started_at timestamptz, finished_at timestamptz)
+    ) WITH ORDINALITY AS s(kind, name, input, output, error, started_at, finished_at, ord)
+), new_messages AS (
+    INSERT INTO agentruns_messages (run_id, seq, body)
+    SELECT run.id, run.message_count - %(n_messages)s + m.ord - 1, m.body
+    FROM run, json_array_elements(%(messages)s::json) WITH ORDINALITY AS m(body, ord)
+)
+SELECT * FROM run

@@ -417,3 +417,43 @@ def test_embedded_default_runs_on_sqlite_with_local_leases(
     assert engine.idle(20)
     assert all(engine.get_run(r.id).status is RunStatus.COMPLETED for r in runs)
     assert [s.kind for s in engine.steps(runs[0].id)] == ["llm", "tool", "llm"]
+
+
+def test_a_run_whose_agent_is_no_longer_registered_fails_with_unknown_agent(
+    make_engine: EngineFactory,
+) -> None:
+    producer = make_engine(
+        [Agent("gone", ScriptedModel([text("ok")]))], scheduler=ManualScheduler()
+    )
+    run = producer.dispatch("gone", trigger({}))
+    worker = make_engine([Agent("other", ScriptedModel([text("ok")]))])
+    failed = worker.execute(run.id)
+    assert failed.status is RunStatus.FAILED
+    assert failed.error is not None and failed.error.code == "unknown_agent"
+
+
+def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
+    make_engine: EngineFactory, db_url: str
+) -> None:
+    import psycopg
+
+    model = ScriptedModel([tool_use("search_issues", {"query": "x"}), text("ok")], latency_s=0.2)
+    engine = make_engine([Agent("a", model, tools=[search_issues])])
+    run = engine.dispatch("a", trigger({}))
+    wait_for(lambda: len(model.calls) == 2)
+    engine.drain(timeout=5)
+    with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
+        conn.execute(
+            'UPDATE agentruns_messages SET body = \'{"role": "assistant"}\' '
+            "WHERE run_id = %s AND seq = 2",
+            (run.id,),
+        )
+    worker = make_engine([Agent("a", model, tools=[search_issues])])
+    assert worker.recover() == [run.id]
+    assert worker.idle(10)
+    failed = worker.get_run(run.id)
+    assert failed.status is RunStatus.FAILED
+    assert failed.error is not None and failed.error.code == "invalid_checkpoint"
+    healthy = worker.dispatch("a", trigger({"n": 2}))
+    assert worker.idle(10)
+    assert worker.get_run(healthy.id).status is RunStatus.COMPLETED

@@ -1,0 +1,241 @@
+"""Redis or Postgres going away mid-run: executions abort, nothing is half-written,
+and ``recover()`` finishes the runs once the service is back.
+
+Redis is a private ``redis-server`` this test kills; Postgres is reached through
+a TCP proxy this test cuts, so the shared database other tests use stays up.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import sqlalchemy.exc
+
+from agentruns import Agent, Engine, LocalScheduler, RedisLeases, RunStatus, SqlStore, tool
+from agentruns.models import ScriptedModel, text, tool_use
+from tests.conftest import Errors, trigger
+
+
+@tool
+def note(text: str) -> str:
+    """Write a note."""
+    return f"noted {text}"
+
+
+SCRIPT = [tool_use("note", {"text": str(i)}) for i in range(4)] + [text("Done.")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_for(predicate: Any, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        time.sleep(0.05)
+
+
+class Proxy:
+    """A TCP proxy to Postgres that a test can cut and restore."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.port = free_port()
+        self._sockets: list[socket.socket] = []
+        self._lock = threading.Lock()
+        self._open = True
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", self.port))
+        self._listener.listen(64)
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def restore(self) -> None:
+        self._open = True
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            if not self._open:  # down: the connection is refused
+                client.close()
+                continue
+            upstream = socket.create_connection(self.upstream)
+            with self._lock:
+                self._sockets += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        self._open = False
+        with self._lock:
+            sockets, self._sockets = self._sockets, []
+        for s in sockets:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self.cut()
+        self._listener.close()
+
+
+@pytest.fixture
+def proxy() -> Iterator[Proxy]:
+    p = Proxy(("127.0.0.1", 5432))
+    yield p
+    p.close()
+
+
+class PrivateRedis:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [
+                shutil.which("redis-server") or "redis-server",
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+@pytest.fixture
+def private_redis() -> Iterator[PrivateRedis]:
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed; `make test` needs it")
+    r = PrivateRedis()
+    r.start()
+    yield r
+    r.kill()
+
+
+def assert_finished_cleanly(engine: Engine, run_id: str) -> None:
+    run = engine.get_run(run_id)
+    assert run.status is RunStatus.COMPLETED, run
+    steps = engine.steps(run_id)
+    assert [s.index for s in steps] == list(range(len(steps)))
+    assert sum(s.kind == "llm" for s in steps) == len(SCRIPT)
+    # Every saved response is followed by the results of its calls: no half step.
+    kinds = "".join("L" if s.kind == "llm" else "T" for s in steps)
+    assert kinds == "LT" * (len(SCRIPT) - 1) + "L"
+
+
+def test_postgres_going_away_aborts_the_execution_and_recover_finishes_the_run(
+    db_url: str, redis_prefix: str, proxy: Proxy, errors: Errors
+) -> None:
+    via_proxy = db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    model = ScriptedModel(SCRIPT, latency_s=0.3)
+    engine = Engine(
+        SqlStore(via_proxy),
+        leases=RedisLeases(prefix=redis_prefix),
+        scheduler=LocalScheduler(),
+        agents=[Agent("a", model, tools=[note])],
+        secret="s",
+        lease_ttl=1.0,
+        on_error=errors.append,
+    )
+    direct = SqlStore(db_url)
+    try:
+        run = engine.dispatch("a", trigger({}))
+        wait_for(lambda: len(direct.steps(run.id)) >= 2)
+        proxy.cut()
+        wait_for(lambda: engine.idle(0))  # the execution gave up
+        assert errors.of(sqlalchemy.exc.OperationalError)
+        stuck = direct.get_run(run.id)
+        assert stuck.status is RunStatus.RUNNING
+        partial = direct.steps(run.id)
+
+        proxy.restore()
+        wait_for(lambda: run.id in engine.recover())
+        assert engine.idle(20)
+        assert_finished_cleanly(engine, run.id)
+        assert engine.steps(run.id)[: len(partial)] == partial
+    finally:
+        engine.close()
+        direct.close()
+
+
+def test_redis_going_away_aborts_the_execution_and_recover_finishes_the_run(
+    db_url: str, private_redis: PrivateRedis, errors: Errors
+) -> None:
+    model = ScriptedModel(SCRIPT, latency_s=0.3)
+    engine = Engine(
+        SqlStore(db_url),
+        leases=RedisLeases(private_redis.url, prefix="outage"),
+        scheduler=LocalScheduler(),
+        agents=[Agent("a", model, tools=[note])],
+        secret="s",
+        lease_ttl=1.0,
+        on_error=errors.append,
+    )
+    try:
+        run = engine.dispatch("a", trigger({}))
+        wait_for(lambda: len(engine.steps(run.id)) >= 2)
+        private_redis.kill()
+        wait_for(lambda: engine.idle(0))  # the renewal failed: the execution aborted
+        assert engine.get_run(run.id).status is RunStatus.RUNNING
+        calls_before = len(model.calls)
+        time.sleep(0.5)
+        assert len(model.calls) == calls_before  # nothing runs without a lease
+
+        private_redis.start()
+        wait_for(lambda: run.id in engine.recover())
+        assert engine.idle(20)
+        assert_finished_cleanly(engine, run.id)
+    finally:
+        engine.close()

@@ -55,7 +55,17 @@ class Usage(_Model):
 
     @property
     def total_tokens(self) -> int:
-        return self.input_tokens + self.output_tokens
+        """Every input token the model read, cached or not, plus its output.
+
+        Anthropic's ``input_tokens`` leaves out cache reads and writes; a budget
+        on context must count them.
+        """
+        return (
+            self.input_tokens
+            + self.cache_creation_input_tokens
+            + self.cache_read_input_tokens
+            + self.output_tokens
+        )
 
 
 class Budget(_Model):

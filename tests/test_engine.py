@@ -457,3 +457,14 @@ def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
     healthy = worker.dispatch("a", trigger({"n": 2}))
     assert worker.idle(10)
     assert worker.get_run(healthy.id).status is RunStatus.COMPLETED
+
+
+def test_token_budget_counts_cached_input_tokens(make_engine: EngineFactory) -> None:
+    model = ScriptedModel(
+        [tool_use("search_issues", {"query": "x"})],
+        usage=Usage(input_tokens=5, cache_read_input_tokens=50, output_tokens=5),
+    )
+    agent = Agent("a", model, tools=[search_issues], budget=Budget(max_tokens=100))
+    run = _run_to_end(make_engine([agent]))
+    assert run.error is not None and run.error.code == "token_budget_exceeded"
+    assert run.steps_used == 2

@@ -162,7 +162,7 @@ def _demo(say: _Narrator) -> dict[str, Any]:
         say.say()
         say.say(render.timeline(run, steps))
         say.say()
-        say.say(f"explore it: AGENTRUNS_DATABASE_URL={url} agentruns show {run.id}")
+        say.say(f"explore it: AGENTRUNS_DATABASE_URL={url} {_command()} show {run.id}")
     finally:
         engine.close()
     return {
@@ -171,6 +171,17 @@ def _demo(say: _Narrator) -> dict[str, Any]:
         "checks": checks,
         "run": render.run_json(run, steps),
     }
+
+
+def _command() -> str:
+    """How to call the CLI from here: the virtualenv's console script if there is one."""
+    script = Path(sys.executable).parent / "agentruns"
+    if not script.exists():
+        return "agentruns"
+    try:
+        return str(script.relative_to(Path.cwd()))
+    except ValueError:
+        return str(script)
 
 
 def _first_execution(engine: Engine, say: _Narrator) -> Run:
@@ -198,61 +209,73 @@ def _approve(engine: Engine, scheduler: _HandOff, run: Run, say: _Narrator) -> N
 
 
 def _crash(url: str, run: Run, triage: ModuleType, real_model: bool, say: _Narrator) -> int | None:
+    """Let a child process execute the run; SIGKILL it inside a model call. The step it died in."""
     say.headline("3. crash: a worker process takes the run and is killed mid-step")
-    env = dict(os.environ)
-    root = str(Path(triage.__file__).resolve().parent.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
-    args = [sys.executable, "-m", "agentruns.demo", "--child", url, run.id]
-    child = subprocess.Popen(
-        [*args, "--latency", str(CHILD_LATENCY)],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    child = _spawn_child(url, run.id, triage)
     who = f"pid {child.pid}"
     say.event(f"child process {child.pid} executes the run", who)
     store = SqlStore(url)
-    seen_llm = False
-    deadline = time.monotonic() + 60
     try:
-        while time.monotonic() < deadline:
-            for step in store.steps(run.id):
-                if step.index not in say.steps:
-                    say.step(step, who)
-                    seen_llm = seen_llm or step.kind == "llm"
-            current = store.get_run(run.id)
-            say.run(current, who)
-            steps = store.steps(run.id)
-            # A model step of its own saved, its tools done: it is inside the next model call.
-            if seen_llm and current.status is RunStatus.RUNNING and steps[-1].kind == "tool":
-                time.sleep(0.1 if real_model else CHILD_LATENCY / 4)
-                os.kill(child.pid, signal.SIGKILL)
-                child.wait()
-                say.event(
-                    f"CRASH: kill -9 {child.pid} during the model call after step "
-                    f"{steps[-1].index}",
-                    who,
-                )
-                claim = current.claim
-                if claim is not None:
-                    say.event(
-                        f"the store still says running, claimed by {claim.owner} "
-                        f"until {render.clock(claim.expires_at)}"
-                    )
-                return steps[-1].index
-            if child.poll() is not None:
-                break
-            time.sleep(0.02)
+        crashed_at = _kill_mid_step(child, store, run.id, real_model, say, who)
     finally:
         store.close()
         if child.poll() is None:
             child.kill()
             child.wait()
-    if child.returncode:
-        errors = (child.stderr.read() if child.stderr else "").strip().splitlines()
-        raise DemoError(f"the child process failed: {errors[-1] if errors else child.returncode}")
-    say.event("the child finished the run before the crash point (no crash this time)", who)
+    if crashed_at is None:
+        if child.returncode:
+            errors = (child.stderr.read() if child.stderr else "").strip().splitlines()
+            raise DemoError(f"the child failed: {errors[-1] if errors else child.returncode}")
+        say.event("the child finished the run before the crash point (no crash this time)", who)
+    return crashed_at
+
+
+def _spawn_child(url: str, run_id: str, triage: ModuleType) -> subprocess.Popen[str]:
+    env = dict(os.environ)
+    root = str(Path(str(triage.__file__)).resolve().parent.parent)  # where `workers` lives
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return subprocess.Popen(
+        [sys.executable, "-m", "agentruns.demo", "--child", url, run_id],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _kill_mid_step(
+    child: subprocess.Popen[str],
+    store: SqlStore,
+    run_id: str,
+    real_model: bool,
+    say: _Narrator,
+    who: str,
+) -> int | None:
+    """Watch the store; once the child saved a model step and ran its tools, kill it."""
+    seen_llm = False
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and child.poll() is None:
+        steps = store.steps(run_id)
+        for step in steps:
+            if step.index not in say.steps:
+                say.step(step, who)
+                seen_llm = seen_llm or step.kind == "llm"
+        current = store.get_run(run_id)
+        say.run(current, who)
+        # Its tools done after a model step of its own: it is inside the next model call.
+        if seen_llm and current.status is RunStatus.RUNNING and steps[-1].kind == "tool":
+            time.sleep(0.1 if real_model else CHILD_LATENCY / 4)
+            os.kill(child.pid, signal.SIGKILL)
+            child.wait()
+            last = steps[-1].index
+            say.event(f"CRASH: kill -9 {child.pid} during the model call after step {last}", who)
+            if current.claim is not None:
+                say.event(
+                    f"the store still says running, claimed by {current.claim.owner} "
+                    f"until {render.clock(current.claim.expires_at)}"
+                )
+            return last
+        time.sleep(0.02)
     return None
 
 
@@ -329,7 +352,7 @@ def _child(url: str, run_id: str, latency: float) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m agentruns.demo")
     parser.add_argument("--child", nargs=2, metavar=("URL", "RUN"))
-    parser.add_argument("--latency", type=float, default=CHILD_LATENCY)
+    parser.add_argument("--latency", type=float, default=CHILD_LATENCY, help="per model call")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.child:

@@ -5,10 +5,12 @@ Every failure is one line on stderr: exit 2 for bad input, 1 for the rest.
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 from agentruns.cli.errors import describe
 from agentruns.cli.session import Session
@@ -23,10 +25,24 @@ class _OneLine(logging.Formatter):
         return super().format(record)
 
 
-def _quiet_logging() -> None:
+@contextlib.contextmanager
+def _quiet_logging() -> Iterator[None]:
+    """One-line log records on stderr while a command runs; the caller's logging after."""
+    root = logging.getLogger()
+    leases = logging.getLogger("agentruns.leases")
+    saved = (root.handlers[:], root.level, leases.level)
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_OneLine("agentruns: %(levelname)s: %(message)s"))
-    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    root.handlers[:] = [handler]
+    root.setLevel(logging.WARNING)
+    # The abort listener's reconnect notices are for workers' logs, not a command's output.
+    leases.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+        leases.setLevel(saved[2])
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -36,12 +52,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build().parse_args(argv)
     except SystemExit as exc:  # --help, or a usage error already printed
         return exc.code if isinstance(exc.code, int) else 2
-    _quiet_logging()
+    with _quiet_logging():
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     session = Session(as_json=args.json)
     try:
         code: int = args.handler(session, args)
         session.close()
         return code
+    except BrokenPipeError:  # the reader went away (`agentruns watch | head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        session.close()
+        return 0
     except KeyboardInterrupt:
         session.close()
         print("agentruns: interrupted", file=sys.stderr)

@@ -14,7 +14,7 @@ class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr and exit 2."""
 
     def error(self, message: str) -> NoReturn:
-        print(f"{self.prog}: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        print(f"agentruns: error: {message} (see `{self.prog} --help`)", file=sys.stderr)
         raise SystemExit(2)
 
 

@@ -14,9 +14,11 @@ from sqlalchemy.engine import make_url
 
 from agentruns.agent import Agent
 from agentruns.cli import render
-from agentruns.cli.errors import CliError, first_line
+from agentruns.cli.errors import CliError, first_line, safe_url
 from agentruns.engine import Engine
 from agentruns.events import Event
+from agentruns.leases import LocalLeases
+from agentruns.schedulers import LocalScheduler
 from agentruns.settings import Settings
 from agentruns.wiring import engine_from_settings, load_agents
 
@@ -73,14 +75,22 @@ class Session:
         """No Redis configured: executions happen in this process, on the in-process scheduler."""
         return not self.settings.redis_url
 
-    def engine(self) -> Engine:
+    def engine(self, *, read_only: bool = False) -> Engine:
+        """The engine of ``AGENTRUNS_*``; ``read_only`` commands leave Redis out of it."""
         if self._engine is None:
             self._check_sqlite_file()
-            agents = self._agents()
+            settings = self.settings
+            overrides: dict[str, Any] = {}
+            if read_only:  # reading runs needs neither Redis nor the agents' code
+                settings = settings.model_copy(update={"agents": ""})
+                overrides = {"leases": LocalLeases(), "scheduler": LocalScheduler()}
+            else:
+                overrides = {"agents": self._agents()}
+                self._check_redis()
             with warnings.catch_warnings():
-                warnings.simplefilter("ignore")  # "no secret": said where it matters, below
+                warnings.simplefilter("ignore")  # "no secret": said where it matters
                 self._engine = engine_from_settings(
-                    self.settings, agents=agents, on_error=self.reported.append
+                    settings, on_error=self.reported.append, **overrides
                 )
         return self._engine
 
@@ -105,15 +115,22 @@ class Session:
                 "run `agentruns migrate` to create it (or set AGENTRUNS_DATABASE_URL)"
             )
 
-    def need_redis(self) -> None:
+    def _check_redis(self) -> None:
         """Fail in one line, before anything is written, if Redis or the broker is down."""
         if self.embedded:
             return
-        urls = {self.settings.redis_url, self.settings.effective_broker_url}
-        for url in sorted(u for u in urls if u and u.startswith(("redis://", "rediss://"))):
+        urls = {
+            "AGENTRUNS_REDIS_URL": self.settings.redis_url,
+            "AGENTRUNS_BROKER_URL": self.settings.broker_url,
+        }
+        for name, url in urls.items():
+            if not url or not url.startswith(("redis://", "rediss://")):
+                continue
             client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
             try:
                 client.ping()
+            except redis.RedisError as exc:
+                raise CliError(f"cannot reach Redis at {safe_url(url)} ({name}): {exc}") from None
             finally:
                 client.close()
 

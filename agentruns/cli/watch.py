@@ -27,6 +27,13 @@ class _Follower:
         self.updated: dict[str, datetime] = {}
         self.status: dict[str, RunStatus] = {}
         self.steps: dict[str, int] = {}
+        self.held: list[str] | None = None  # lines kept back while set
+
+    def emit(self, line: str) -> None:
+        if self.held is not None:
+            self.held.append(line)
+        else:
+            self.session.emit(line)
 
     def poll(self, runs: list[Run], baseline: bool) -> None:
         for run in sorted(runs, key=lambda r: r.created_at):
@@ -37,15 +44,13 @@ class _Follower:
             if baseline and run.status.is_final and not self.history:
                 self.status[run.id] = run.status
                 continue
-            if new:
-                self._run(run)
             steps = self.engine.steps(run.id)
             if new and not self.history:
                 self.steps[run.id] = len(steps) if baseline else 0
             for step in steps[self.steps.get(run.id, 0) :]:
                 self._step(step)
             self.steps[run.id] = len(steps)
-            if not new and self.status[run.id] != run.status:
+            if new or self.status[run.id] != run.status:
                 self._run(run)
             self.status[run.id] = run.status
 
@@ -56,17 +61,17 @@ class _Follower:
         if self.session.as_json:
             self._json({"event": "run.updated", "run": render.run_json(run)})
         else:
-            self.session.emit(f"{render.clock(run.updated_at)}  {render.run_line(run)}")
+            self.emit(f"{render.clock(run.updated_at)}  {render.run_line(run)}")
 
     def _step(self, step: Step) -> None:
         if self.session.as_json:
             self._json({"event": "step.appended", "step": step.model_dump(mode="json")})
         else:
             at = render.clock(step.finished_at)
-            self.session.emit(f"{at}    {step.run_id[:8]} {render.step_line(step)}")
+            self.emit(f"{at}    {step.run_id[:8]} {render.step_line(step)}")
 
     def _json(self, value: Any) -> None:
-        self.session.emit(json.dumps(value, ensure_ascii=False))
+        self.emit(json.dumps(value, ensure_ascii=False))
 
 
 def _runs(engine: Engine, run_id: str | None) -> list[Run]:
@@ -79,19 +84,22 @@ def _runs(engine: Engine, run_id: str | None) -> list[Run]:
 
 
 def watch(session: Session, *, run_id: str | None, until_final: bool, interval: float) -> int:
-    engine = session.engine()
+    engine = session.engine(read_only=True)
     follower = _Follower(session, engine, history=run_id is not None)
-    baseline = True
+    # What is there already comes first, then the promise: anything after it is new.
+    follower.held = []
+    follower.poll(_runs(engine, run_id), baseline=True)
+    held, follower.held = follower.held, None
+    for line in held:
+        session.emit(line)
     if not session.as_json:
         target = f"run {run_id}" if run_id else "all runs"
         stop = "it settles" if until_final else "Ctrl-C"
         session.emit(f"watching {target} every {interval:g}s until {stop}")
     try:
-        while True:
-            follower.poll(_runs(engine, run_id), baseline)
-            baseline = False
-            if until_final and follower.settled():
-                return 0
+        while not (until_final and follower.settled()):
             time.sleep(interval)
+            follower.poll(_runs(engine, run_id), baseline=False)
     except KeyboardInterrupt:
-        return 0
+        pass
+    return 0

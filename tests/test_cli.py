@@ -1,0 +1,440 @@
+"""The ``agentruns`` CLI on the embedded default (SQLite, in-process), as a newcomer uses it.
+
+SQLite because that is what the CLI runs on without services, and executions
+happen in the CLI's own process there; the Redis-down and Postgres-down cases
+point at ports where nothing listens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agentruns import Agent, Engine, LocalLeases, LocalScheduler, RunStatus, SqlStore
+from agentruns.cli import main
+from agentruns.migrate import migrate
+from workers import triage
+
+ROOT = Path(__file__).resolve().parent.parent
+REPORT = {"issue": "ACME-142", "title": "App crashes on start after upgrading to 2.3"}
+
+
+class Cli:
+    """``main(argv)`` in this process, with what it printed."""
+
+    def __init__(self, capsys: pytest.CaptureFixture[str], url: str) -> None:
+        self.capsys = capsys
+        self.url = url
+
+    def __call__(self, *argv: str) -> tuple[int, str, str]:
+        self.capsys.readouterr()
+        code = main(list(argv))
+        out, err = self.capsys.readouterr()
+        return code, out, err
+
+    def json(self, *argv: str) -> Any:
+        code, out, err = self("--json", *argv)
+        assert code == 0, err
+        return json.loads(out)
+
+    def fails(self, code: int, *argv: str) -> str:
+        """Run a command that must fail; return its one line of stderr."""
+        got, out, err = self(*argv)
+        assert got == code, (out, err)
+        assert "Traceback" not in err + out
+        lines = err.strip().splitlines()
+        assert len(lines) == 1, err
+        assert lines[0].startswith("agentruns: error: ")
+        return lines[0]
+
+    def waiting_run(self) -> tuple[str, str]:
+        """Dispatch the triage agent; it runs here until it waits for approval."""
+        result = self.json("dispatch", "triage", "--payload", json.dumps(REPORT))
+        assert result["run"]["status"] == "waiting"
+        return result["run"]["id"], result["approval_token"]
+
+    def engine(self, *agents: Agent, secret: str = "test-secret") -> Engine:
+        """An engine of the test's own on the CLI's database."""
+        return Engine(
+            SqlStore(self.url),
+            leases=LocalLeases(),
+            scheduler=LocalScheduler(),
+            agents=list(agents) or [triage.triage],
+            secret=secret,
+        )
+
+
+@pytest.fixture
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    url = f"sqlite:///{tmp_path / 'cli.db'}"
+    monkeypatch.setenv("AGENTRUNS_DATABASE_URL", url)
+    monkeypatch.setenv("AGENTRUNS_AGENTS", "workers.triage")
+    monkeypatch.setenv("AGENTRUNS_SECRET", "test-secret")
+    for name in ("AGENTRUNS_REDIS_URL", "AGENTRUNS_BROKER_URL", "ANTHROPIC_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.chdir(ROOT)
+    return url
+
+
+@pytest.fixture
+def cli(env: str, capsys: pytest.CaptureFixture[str]) -> Cli:
+    migrate(env)
+    return Cli(capsys, env)
+
+
+# -- the commands ---------------------------------------------------------------------
+
+
+def test_migrate_creates_the_database_and_can_run_again(
+    env: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cli = Cli(capsys, env)
+    code, out, _ = cli("migrate")
+    assert code == 0
+    assert "migrated" in out and "revision" in out
+    assert cli.json("migrate")["revision"]
+    assert cli("runs")[1].strip() == "no runs"
+
+
+def test_dispatch_runs_the_agent_here_until_it_waits_and_prints_the_token(cli: Cli) -> None:
+    code, out, err = cli(
+        "dispatch", "triage", "--payload", json.dumps(REPORT), "--key", "issue=ACME-142"
+    )
+    assert code == 0, err
+    assert "step 0   llm" in out and "search_issues" in out
+    assert "waiting on approval of post_comment" in out
+    assert "agentruns approve ey" in out
+    assert "agentruns approve --run" in out
+
+    run = cli.json("runs")["runs"][0]
+    assert run["status"] == "waiting"
+    assert run["trigger"]["keys"] == {"issue": "ACME-142"}
+    assert run["trigger"]["source"] == "cli"
+
+
+def test_dispatch_with_the_same_idempotency_key_returns_the_same_run(cli: Cli) -> None:
+    args = ("dispatch", "triage", "--payload", "{}", "--idempotency-key", "report-1")
+    first = cli.json(*args)["run"]["id"]
+    code, out, _ = cli(*args)
+    assert code == 0
+    assert f"already dispatched with this idempotency key: run {first}" in out
+    assert len(cli.json("runs")["runs"]) == 1
+
+
+def test_approve_by_token_runs_the_effect_tool_and_completes_the_run(cli: Cli) -> None:
+    run_id, token = cli.waiting_run()
+    code, out, err = cli("approve", token, "--reason", "reads well")
+    assert code == 0, err
+    assert "approved post_comment" in out
+    assert "step 4   tool post_comment" in out
+    assert "completed" in out
+
+    shown = cli.json("show", run_id)["run"]
+    assert shown["status"] == "completed"
+    wait = next(s for s in shown["steps"] if s["kind"] == "wait")
+    assert wait["output"]["approved"] is True and wait["output"]["reason"] == "reads well"
+    assert [s["name"] for s in shown["steps"] if s["kind"] == "tool"].count("post_comment") == 1
+
+
+def test_deny_by_run_mints_the_token_and_tells_the_model(cli: Cli) -> None:
+    run_id, _ = cli.waiting_run()
+    result = cli.json("deny", "--run", run_id, "--reason", "too pushy")
+    assert result["run"]["status"] == "completed"
+    steps = cli.json("show", run_id)["run"]["steps"]
+    wait = next(s for s in steps if s["kind"] == "wait")
+    assert wait["output"] == {
+        "approval_id": wait["output"]["approval_id"],
+        "approved": False,
+        "reason": "too pushy",
+    }
+    assert not any(s["kind"] == "tool" and s["name"] == "post_comment" for s in steps)
+
+
+def test_runs_lists_newest_first_and_filters(cli: Cli) -> None:
+    waiting, _ = cli.waiting_run()
+    done, _ = cli.waiting_run()
+    cli.json("approve", "--run", done)
+
+    code, out, _ = cli("runs")
+    assert code == 0
+    header, *rows = out.strip().splitlines()
+    assert header.split()[:3] == ["ID", "AGENT", "STATUS"]
+    assert rows[0].startswith(done) and rows[1].startswith(waiting)
+    assert [r["id"] for r in cli.json("runs", "--status", "waiting")["runs"]] == [waiting]
+    assert [r["id"] for r in cli.json("runs", "--limit", "1")["runs"]] == [done]
+    assert cli.json("runs", "--agent", "nobody")["runs"] == []
+
+
+def test_show_draws_the_run_as_a_timeline_with_usage(cli: Cli) -> None:
+    run_id, _ = cli.waiting_run()
+    cli.json("approve", "--run", run_id)
+    code, out, _ = cli("show", run_id)
+    assert code == 0
+    assert f"run       {run_id}" in out
+    assert "status    completed" in out
+    assert "usage     4 model steps, 1680 in / 240 out tokens" in out
+    lines = out.splitlines()
+    table = lines[next(i for i, line in enumerate(lines) if line.startswith("#  ")) :]
+    assert [line.split()[0] for line in table[1:]] == [str(i) for i in range(8)]
+    assert [line.split()[3] for line in table[1:]] == [
+        "llm", "tool", "llm", "wait", "tool", "llm", "tool", "llm",
+    ]  # fmt: skip
+    assert all("|" in line for line in table[1:])  # the timeline bars
+
+
+def test_cancel_cancels_a_waiting_run_and_leaves_a_final_one(cli: Cli) -> None:
+    run_id, token = cli.waiting_run()
+    assert cli.json("cancel", run_id)["run"]["status"] == "cancelled"
+    code, out, _ = cli("cancel", run_id)
+    assert code == 0 and "cancelled" in out
+    assert "stale" in cli.fails(2, "approve", token)
+
+
+def test_recover_continues_an_interrupted_run(cli: Cli) -> None:
+    slow = triage.make_agent(triage.scripted_model(latency_s=30))
+    engine = cli.engine(slow)
+    run = engine.dispatch("triage", {"source": "t", "trigger": "t", "payload": REPORT})
+    deadline = time.monotonic() + 10
+    while engine.get_run(run.id).status is not RunStatus.RUNNING:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    engine.close()  # drains: the run is interrupted mid model call
+    assert engine.get_run(run.id).status is RunStatus.INTERRUPTED
+
+    code, out, err = cli("recover")
+    assert code == 0, err
+    assert "requeued 1 run(s)" in out
+    assert f"run {run.id} waiting on approval of post_comment" in out
+    assert cli.json("recover") == {"requeued": [], "runs": []}
+
+
+def test_tick_denies_an_expired_approval_and_the_run_goes_on(cli: Cli) -> None:
+    hasty = Agent(
+        "triage",
+        triage.scripted_model(),
+        tools=[triage.search_issues, triage.label_issue, triage.post_comment],
+        approval_ttl=timedelta(seconds=-1),
+    )
+    engine = cli.engine(hasty)
+    run = engine.dispatch("triage", {"source": "t", "trigger": "t", "payload": REPORT})
+    assert engine.idle(10)
+    token = engine.approval_token(run.id)
+    engine.close()
+
+    assert "expired" in cli.fails(2, "approve", token)
+    result = cli.json("tick")
+    assert result == {"expired": [run.id], "notified": [], "waiting": 0}
+    steps = cli.json("show", run.id)["run"]["steps"]
+    wait = next(s for s in steps if s["kind"] == "wait")
+    assert wait["output"]["reason"] == "approval expired"
+    assert cli("tick")[1].startswith("tick: 0 expired approval(s) denied")
+
+
+def test_watch_prints_a_runs_history_and_stops_when_it_settles(cli: Cli) -> None:
+    run_id, _ = cli.waiting_run()
+    cli.json("approve", "--run", run_id)
+    code, out, _ = cli("watch", "--run", run_id, "--until-final", "--interval", "0.05")
+    assert code == 0
+    assert out.count(" step ") == 8
+    lines = out.strip().splitlines()
+    assert lines[-2].split(maxsplit=1)[1].startswith(f"run {run_id} completed")
+    assert lines[-1].startswith(f"watching run {run_id}")
+
+    code, out, _ = cli("--json", "watch", "--run", run_id, "--until-final")
+    events = [json.loads(line) for line in out.splitlines()]
+    assert [e["event"] for e in events] == ["step.appended"] * 8 + ["run.updated"]
+
+
+def test_watch_follows_runs_another_process_writes(cli: Cli, env: str) -> None:
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "agentruns.cli", "watch", "--interval", "0.1"],
+        cwd=ROOT,
+        env=os.environ.copy(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert watcher.stdout is not None
+        assert watcher.stdout.readline().startswith("watching all runs")
+        run_id, _ = cli.waiting_run()
+        seen: list[str] = []
+        deadline = time.monotonic() + 20
+        while not any("waiting on approval" in line for line in seen):
+            assert time.monotonic() < deadline, seen
+            seen.append(watcher.stdout.readline())
+        assert any(f"{run_id[:8]} step 2   llm" in line for line in seen)
+    finally:
+        watcher.send_signal(2)  # Ctrl-C
+        _, err = watcher.communicate(timeout=10)
+    assert watcher.returncode == 0 and "Traceback" not in err
+
+
+def test_json_output_is_json_for_every_command(cli: Cli) -> None:
+    run_id, token = cli.waiting_run()
+    assert cli.json("show", run_id)["run"]["waiting"]["tool_name"] == "post_comment"
+    assert cli.json("approve", token)["run"]["status"] == "completed"
+    assert cli.json("cancel", run_id)["run"]["status"] == "completed"
+    assert set(cli.json("tick")) == {"expired", "notified", "waiting"}
+    assert cli.json("runs")["runs"][0]["id"] == run_id
+
+
+# -- bad input: one line, the right exit code, nothing changed ------------------------------
+
+
+def test_an_unknown_run_is_one_line_and_exit_2(cli: Cli) -> None:
+    expected = "agentruns: error: no run with id 'nope' (see `agentruns runs`)"
+    for argv in (["show", "nope"], ["cancel", "nope"], ["approve", "--run", "nope"]):
+        assert cli.fails(2, *argv) == expected
+    assert "no run" in cli.fails(2, "watch", "--run", "nope")
+
+
+def test_bad_tokens_say_why_and_change_nothing(cli: Cli) -> None:
+    run_id, token = cli.waiting_run()
+    assert "(malformed)" in cli.fails(2, "approve", "not-a-token")
+    assert "(malformed)" in cli.fails(2, "deny", "abc.def")
+    body, signature = token.split(".")
+    forged = f"{body}.{'A' if signature[0] != 'A' else 'B'}{signature[1:]}"
+    assert "(bad_signature)" in cli.fails(2, "approve", forged)
+    other = cli.engine(secret="another-secret")
+    assert "(bad_signature)" in cli.fails(2, "approve", other.approval_token(run_id))
+    other.close()
+    assert cli.json("show", run_id)["run"]["status"] == "waiting"
+
+    cli.json("approve", token)
+    assert "(stale)" in cli.fails(2, "approve", token)
+    assert "not waiting" in cli.fails(1, "approve", "--run", run_id)
+
+
+def test_approve_needs_exactly_one_of_token_and_run(cli: Cli) -> None:
+    assert "give either a TOKEN or --run RUN" in cli.fails(2, "approve")
+    assert "give either a TOKEN or --run RUN" in cli.fails(2, "deny", "tok", "--run", "r")
+
+
+def test_a_payload_that_is_not_json_stores_nothing(cli: Cli) -> None:
+    line = cli.fails(2, "dispatch", "triage", "--payload", "{not json")
+    assert line.startswith("agentruns: error: --payload is not JSON")
+    assert "name=value" in cli.fails(2, "dispatch", "triage", "--key", "no-equals")
+    assert cli.json("runs")["runs"] == []
+
+
+def test_an_unknown_agent_stores_nothing(cli: Cli) -> None:
+    line = cli.fails(2, "dispatch", "nobody", "--payload", "{}")
+    assert line == (
+        "agentruns: error: unknown agent 'nobody' (known: triage; AGENTRUNS_AGENTS=workers.triage)"
+    )
+    assert cli.json("runs")["runs"] == []
+
+
+def test_usage_errors_are_one_line_and_exit_2(cli: Cli) -> None:
+    assert "invalid choice" in cli.fails(2, "frobnicate")
+    assert "invalid choice" in cli.fails(2, "runs", "--status", "sleeping")
+    assert "required" in cli.fails(2, "show")
+
+
+def test_agent_modules_that_do_not_import_are_one_line(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTRUNS_AGENTS", "workers.nonexistent")
+    assert "AGENTRUNS_AGENTS" in cli.fails(1, "dispatch", "triage")
+    assert cli("runs")[0] == 0  # reading runs does not need the agents' code
+
+
+def test_a_database_file_that_is_not_there_says_to_migrate(
+    env: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    line = Cli(capsys, env).fails(1, "runs")
+    assert "does not exist: run `agentruns migrate`" in line
+    assert not Path(env.removeprefix("sqlite:///")).exists()
+
+
+def test_a_database_that_is_not_migrated_says_to_migrate(
+    env: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    Path(env.removeprefix("sqlite:///")).touch()
+    for argv in (["runs"], ["show", "x"], ["dispatch", "triage", "--payload", "{}"]):
+        line = Cli(capsys, env).fails(1, *argv)
+        assert "is not migrated" in line and "run `agentruns migrate`" in line
+
+
+def test_a_database_that_cannot_be_reached_is_one_line(
+    env: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTRUNS_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:1/x")
+    cli = Cli(capsys, env)
+    for argv in (["runs"], ["migrate"], ["approve", "--run", "r"]):
+        line = cli.fails(1, *argv)
+        assert "cannot open the database postgresql+psycopg://postgres@127.0.0.1:1/x" in line
+        assert "Connection refused" in line
+
+
+def test_redis_down_is_one_line_and_stores_nothing(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTRUNS_REDIS_URL", "redis://127.0.0.1:1/0")
+    line = cli.fails(1, "dispatch", "triage", "--payload", "{}")
+    assert line.startswith("agentruns: error: cannot reach Redis at redis://127.0.0.1:1/0")
+    for argv in (["recover"], ["tick"], ["cancel", "x"], ["approve", "x.y"]):
+        assert "cannot reach Redis" in cli.fails(1, *argv)
+    assert cli.json("runs")["runs"] == []  # reads do not need Redis
+
+
+# -- through a real process -----------------------------------------------------------
+
+
+def _agentruns(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    script = Path(sys.executable).parent / "agentruns"
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "agentruns.cli"]
+    return subprocess.run(
+        [*command, *argv], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
+    )
+
+
+def test_the_console_script_dispatches_approves_and_shows(env: str) -> None:
+    environ = os.environ.copy()
+    assert _agentruns("migrate", env=environ).returncode == 0
+    done = _agentruns("--json", "dispatch", "triage", "--payload", json.dumps(REPORT), env=environ)
+    assert done.returncode == 0, done.stderr
+    token = json.loads(done.stdout)["approval_token"]
+    approved = _agentruns("approve", token, env=environ)
+    assert approved.returncode == 0, approved.stderr
+    assert "completed" in approved.stdout
+    run_id = json.loads(done.stdout)["run"]["id"]
+    shown = _agentruns("show", run_id, env=environ)
+    assert "status    completed" in shown.stdout and shown.stderr == ""
+
+
+@pytest.mark.parametrize(
+    ("argv", "setting", "code", "says"),
+    [
+        (["show", "nope"], None, 2, "no run with id 'nope'"),
+        (["approve", "garbage"], None, 2, "invalid resume token (malformed)"),
+        (["dispatch", "triage", "--payload", "{"], None, 2, "--payload is not JSON"),
+        (["dispatch", "nobody"], None, 2, "unknown agent 'nobody'"),
+        (["runs"], "postgresql+psycopg://postgres@127.0.0.1:1/x", 1, "cannot open the database"),
+        (["runs"], "missing", 1, "run `agentruns migrate`"),
+    ],
+)
+def test_errors_from_a_real_process_have_no_traceback(
+    env: str, argv: list[str], setting: str | None, code: int, says: str, tmp_path: Path
+) -> None:
+    environ = os.environ.copy()
+    if setting == "missing":
+        environ["AGENTRUNS_DATABASE_URL"] = f"sqlite:///{tmp_path / 'missing.db'}"
+    elif setting is not None:
+        environ["AGENTRUNS_DATABASE_URL"] = setting
+    else:
+        migrate(env)
+    result = _agentruns(*argv, env=environ)
+    assert result.returncode == code
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert says in result.stderr

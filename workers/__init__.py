@@ -1,0 +1,1 @@
+"""Example agents a worker imports (``AGENTRUNS_AGENTS=workers.triage``)."""

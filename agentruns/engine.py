@@ -381,12 +381,15 @@ class Engine:
                 "is_error": True,
             }
         now = utcnow()
+        agent = self._agents.get(run.agent)
+        # The wait step spans the wait: from the pause to the answer.
+        asked = wait.expires_at - agent.approval_ttl if agent is not None else now
         step = NewStep(
             kind="wait",
             name=wait.tool_name,
             input=wait.input,
             output={"approval_id": wait.approval_id, "approved": approved, "reason": reason},
-            started_at=now,
+            started_at=min(asked, now),
             finished_at=now,
         )
         committed = self.store.commit(

@@ -114,8 +114,13 @@ class Engine:
         self._monitor: threading.Thread | None = None
         self.scheduler.bind(self.execute, slots)
         self._unsubscribe_aborts = self.leases.on_abort_request(self._abort_requested)
+        self._closers: list[Callable[[], None]] = []
 
     # -- configuration -----------------------------------------------------------
+
+    def close_with(self, closer: Callable[[], None]) -> None:
+        """Call ``closer`` when this engine closes (for listeners that hold resources)."""
+        self._closers.append(closer)
 
     def register(self, agent: Agent) -> None:
         if agent.name in self._agents and self._agents[agent.name] is not agent:
@@ -509,6 +514,11 @@ class Engine:
         self.drain()
         self._stop.set()
         self._unsubscribe_aborts()
+        for closer in self._closers:
+            try:
+                closer()
+            except Exception as exc:
+                self.report(exc)
         self.scheduler.close()
         self.leases.close()
         self.store.close()

@@ -45,4 +45,12 @@ def engine_from_settings(settings: Settings | None = None, **overrides: Any) -> 
         kwargs["leases"] = LocalLeases()
         kwargs["scheduler"] = LocalScheduler()
     kwargs.update(overrides)
-    return Engine(**kwargs)
+    engine = Engine(**kwargs)
+    if s.redis_url and isinstance(kwargs["leases"], RedisLeases):
+        from agentruns.broadcast import EventPublisher
+
+        publisher = EventPublisher(s.redis_url)
+        engine.on("run.updated", publisher)
+        engine.on("step.appended", publisher)
+        engine.close_with(publisher.close)
+    return engine

@@ -1,16 +1,19 @@
-"""``agentruns watch``: follow runs by polling the store, printing status changes and new steps.
+"""``agentruns watch``: follow runs live, printing status changes and new steps.
 
-Polling works the same for every process that shares the database (a CLI, the
-demo, Celery workers on other hosts), so there is no event bus to configure.
+With Redis configured, engines publish event summaries (``agentruns.broadcast``)
+and the watcher reads the store as soon as one arrives; without it, it polls.
+The store stays the truth either way: events only say when to look.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
 
+from agentruns.broadcast import subscribe
 from agentruns.cli import render
 from agentruns.cli.session import Session
 from agentruns.engine import Engine
@@ -97,9 +100,22 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
         stop = "it settles" if until_final else "Ctrl-C"
         session.emit(f"watching {target} every {interval:g}s until {stop}")
     try:
-        while not (until_final and follower.settled()):
-            time.sleep(interval)
+        for event in _wakeups(session, interval):
+            if event is not None and run_id is not None and event.get("run_id") != run_id:
+                continue
             follower.poll(_runs(engine, run_id), baseline=False)
+            if until_final and follower.settled():
+                break
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _wakeups(session: Session, interval: float) -> Iterator[dict[str, object] | None]:
+    """When to look again: on every event published over Redis, else every ``interval``."""
+    redis_url = session.settings.redis_url
+    if redis_url:
+        yield from subscribe(redis_url, timeout=interval)
+    while True:
+        time.sleep(interval)
+        yield None

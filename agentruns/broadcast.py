@@ -1,0 +1,98 @@
+"""Engine events over Redis pub/sub, so `agentruns watch` anywhere sees them live.
+
+Publishing happens on a background thread: an execution only enqueues, so the
+hot path gains no Redis round trip. Delivery is best effort; a watcher also
+polls the store, which stays the truth.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import queue
+import threading
+from collections.abc import Iterator
+
+import redis
+
+from agentruns.events import Event
+
+log = logging.getLogger("agentruns")
+
+
+def channel(prefix: str) -> str:
+    return f"{prefix}:events"
+
+
+def summary(event: Event) -> dict[str, object]:
+    if event.run is not None:
+        return {"type": event.type, "run_id": event.run.id, "status": event.run.status.value}
+    assert event.step is not None
+    return {"type": event.type, "run_id": event.step.run_id, "index": event.step.index}
+
+
+class EventPublisher:
+    """An engine listener (``engine.on(..., publisher)``) that publishes event summaries."""
+
+    def __init__(self, url: str, *, prefix: str = "agentruns", maxsize: int = 10_000) -> None:
+        self._client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
+        self._channel = channel(prefix)
+        self._queue: queue.Queue[dict[str, object] | None] = queue.Queue(maxsize)
+        self._thread = threading.Thread(target=self._run, name="agentruns-events", daemon=True)
+        self._thread.start()
+
+    def __call__(self, event: Event) -> None:
+        # When full, watchers fall back to polling; a run is never slowed down for them.
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(summary(event))
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            batch = [item]
+            while not self._queue.empty() and len(batch) < 500:
+                nxt = self._queue.get_nowait()
+                if nxt is None:
+                    self._publish(batch)
+                    return
+                batch.append(nxt)
+            self._publish(batch)
+
+    def _publish(self, batch: list[dict[str, object]]) -> None:
+        try:
+            pipe = self._client.pipeline(transaction=False)
+            for item in batch:
+                pipe.publish(self._channel, json.dumps(item))
+            pipe.execute()
+        except redis.RedisError as exc:
+            log.debug("could not publish %d events: %s", len(batch), exc)
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=5)
+        self._client.close()
+
+
+def subscribe(
+    url: str, *, prefix: str = "agentruns", timeout: float = 0.5
+) -> Iterator[dict[str, object] | None]:
+    """Event summaries as they are published; None every ``timeout`` seconds of quiet."""
+    client = redis.Redis.from_url(url, socket_connect_timeout=5)
+    pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+    try:
+        pubsub.subscribe(channel(prefix))
+        while True:
+            message = pubsub.get_message(timeout=timeout)
+            if message is None or message.get("type") != "message":
+                yield None
+                continue
+            try:
+                yield json.loads(message["data"])
+            except ValueError:
+                yield None
+    finally:
+        pubsub.close()
+        client.close()

@@ -120,14 +120,21 @@ def _build_engine() -> Engine:
     if _slots is not None:
         # Every pool slot may hold a run; the pool, not the engine, is the limit here.
         overrides["slots"] = max(settings.slots, _slots)
-    engine = Engine.from_settings(**overrides)
-    log.info("agentruns engine %s ready with agents: %s", engine.owner, ", ".join(engine.agents))
+    # Agent modules (AGENTRUNS_AGENTS) import from the working directory, like celeryconfig.
+    with cwd_in_path():
+        engine = Engine.from_settings(**overrides)
+    log.info(
+        "agentruns engine %s ready: %d slots, agents %s",
+        engine.owner,
+        engine.slots,
+        ", ".join(engine.agents),
+    )
     return engine
 
 
-def _runs_tasks_here(pool: Any) -> bool:
-    """Whether this process executes tasks itself (threads, solo, gevent) or forks children."""
-    return not type(pool).__module__.endswith(".prefork")
+def _pool_kind(pool: Any) -> str:
+    """``prefork``, ``thread``, ``solo``, ``gevent``…: the module that implements the pool."""
+    return str(type(pool).__module__).rpartition(".")[2]
 
 
 # -- worker signals ---------------------------------------------------------------------
@@ -140,8 +147,9 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     _pool = getattr(sender, "pool", None)
     limit = getattr(_pool, "limit", None)
     _slots = limit if isinstance(limit, int) and limit > 0 else None
-    if _pool is not None and _runs_tasks_here(_pool):
-        # Fail loudly at start (unmigrated database, unknown agent module), not per task.
+    if _pool is not None and _pool_kind(_pool) != "prefork":
+        # This process runs the tasks. Fail loudly at start (unmigrated database,
+        # unknown agent module), not per task; tasks try again until it works.
         try:
             get_engine()
         except Exception:
@@ -153,15 +161,22 @@ def _on_worker_process_init(**_: Any) -> None:
     global _engine, _engine_lock
     # The inherited engine's sockets belong to the parent: drop it, don't close it.
     _engine = None
-    _engine_lock = threading.Lock()
+    _engine_lock = threading.Lock()  # another thread may have held it at the fork
     _shutting_down.clear()
     signal.signal(_DRAIN_SIGNAL, _on_drain_signal)
 
 
 def _on_drain_signal(signum: int, frame: Any) -> None:
-    # In a signal handler the interrupted thread may hold the engine's locks: drain elsewhere.
     _shutting_down.set()
-    threading.Thread(target=_drain, name="agentruns-drain", daemon=True).start()
+    _start_drain()
+
+
+def _start_drain() -> threading.Thread:
+    # Never in the signal handler itself: the thread it interrupted may hold the
+    # engine's locks, or (prefork, solo) be the very execution that must settle.
+    drainer = threading.Thread(target=_drain, name="agentruns-drain", daemon=True)
+    drainer.start()
+    return drainer
 
 
 def _drain() -> None:
@@ -182,17 +197,21 @@ def _on_worker_shutting_down(**_: Any) -> None:
     """
     _shutting_down.set()
     pool = _pool
-    if pool is not None and not _runs_tasks_here(pool):
+    kind = _pool_kind(pool) if pool is not None else "thread"
+    if kind == "prefork":
+        # The runs are in the children; each drains on this signal.
         for pid in pool.info.get("processes", []):
             with contextlib.suppress(OSError):  # already gone
                 os.kill(pid, _DRAIN_SIGNAL)
         return
-    # Threads pool: the runs are in this process; abort them and wait for them to settle.
-    _drain()
+    drainer = _start_drain()
+    if kind == "thread":
+        # The runs are in pool threads: wait until they settle, so that their
+        # tasks return (and their messages are acked) before Celery stops consuming.
+        drainer.join(DRAIN_TIMEOUT_S + 1)
 
 
 def _on_shutdown(**_: Any) -> None:
-    log.warning("TIMING shutdown start")
     global _engine
     with _engine_lock:
         engine, _engine = _engine, None

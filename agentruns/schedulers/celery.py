@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
+log = logging.getLogger("agentruns")
+
 
 class CeleryScheduler:
-    """Sends ``agentruns.execute(run_id)``; every message is only a nudge, the claim decides."""
+    """Sends ``agentruns.execute(run_id)``; every message is only a nudge, the claim decides.
+
+    ``app`` defaults to ``agentruns.celery.app``, imported on first use, so that
+    building an engine does not import Celery until something is scheduled.
+    """
 
     def __init__(self, app: Any = None, *, task_name: str = "agentruns.execute") -> None:
         self._app = app
@@ -25,10 +32,20 @@ class CeleryScheduler:
         pass  # executions happen in workers, through the task
 
     def schedule(self, run_id: str) -> None:
-        self.app.send_task(self._task_name, args=[run_id])
+        try:
+            self.app.send_task(self._task_name, args=[run_id])
+        except Exception:
+            # The write that queued the run has committed; a lost nudge is what
+            # recover() exists for, so the caller's call still succeeded.
+            log.warning(
+                "could not send %s for run %s; recover() will reschedule it",
+                self._task_name,
+                run_id,
+                exc_info=True,
+            )
 
     def outstanding(self) -> int:
-        return 0
+        return 0  # executions run elsewhere; this process has none in flight
 
     def close(self) -> None:
         pass

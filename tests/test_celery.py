@@ -1,0 +1,453 @@
+"""Real ``celery -A agentruns worker`` processes (threads pool) on the real Redis and Postgres.
+
+Each test starts its own workers (and beat, where it says so) on a queue of
+its own for this session, so several test sessions can share one Redis. The
+test process is a producer (``dispatch.delay()``) and, where a test says so,
+an engine with a ``CeleryScheduler`` that calls ``recover()`` itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+import redis
+
+from agentruns import CeleryScheduler, Engine, RedisLeases, Run, RunStatus
+from agentruns.settings import get_settings
+from tests.conftest import REDIS_URL, EngineFactory, trigger
+from tests.support import celery_agents
+from tests.support.celery_agents import CHARGE_SCRIPT, QUICK_SCRIPT
+
+ROOT = Path(__file__).resolve().parents[1]
+CELERY = str(Path(sys.executable).parent / "celery")
+LEASE_TTL = 1.0
+REQUEUE_AFTER = 2.0
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T | None], what: str, timeout: float = 20.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.05)
+
+
+# -- the session's queue and the producer ------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def queue() -> Iterator[str]:
+    """A queue of this session's own; its keys (and messages left unacked) go at the end."""
+    name = f"agentruns-test-{uuid.uuid4().hex[:10]}"
+    yield name
+    client = redis.Redis.from_url(REDIS_URL)
+    keys = [*client.scan_iter(f"{name}*"), f"_kombu.binding.{name}"]
+    client.delete(*keys)
+    # A killed worker's message waits in kombu's shared `unacked` hash for the
+    # visibility timeout, then would be restored to our queue: take ours out now.
+    for tag, raw in client.hscan_iter("unacked"):
+        try:
+            _, exchange, routing_key = json.loads(raw)
+        except (ValueError, TypeError):
+            continue
+        if name in (exchange, routing_key):
+            client.hdel("unacked", tag)
+            client.zrem("unacked_index", tag)
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def celery_app(queue: str) -> Iterator[Any]:
+    """``agentruns.celery.app``, pointed at the test broker and queue (for ``.delay()``)."""
+    env = {
+        "AGENTRUNS_REDIS_URL": REDIS_URL,
+        "AGENTRUNS_BROKER_URL": REDIS_URL,
+        "AGENTRUNS_QUEUE": queue,
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        get_settings.cache_clear()
+        from agentruns.celery import app
+
+        # If another test configured the app first, the environment alone is not enough.
+        before = {
+            "broker_url": app.conf.broker_url,
+            "task_default_queue": app.conf.task_default_queue,
+        }
+        app.conf.update(broker_url=REDIS_URL, task_default_queue=queue)
+        yield app
+        app.conf.update(before)
+    get_settings.cache_clear()
+
+
+# -- worker and beat processes -----------------------------------------------------------
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace") if self.log.exists() else ""
+
+
+class Cluster:
+    """Celery processes for one test; every one is killed at the end, pass or fail."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str], queue: str) -> None:
+        self.tmp_path = tmp_path
+        self.env = env
+        self.queue = queue
+        self.procs: list[Proc] = []
+        self.tool_log = Path(env["AGENTRUNS_TEST_LOG"])
+
+    def _start(self, name: str, args: list[str]) -> Proc:
+        log = self.tmp_path / f"{name}.log"
+        with open(log, "wb") as out:
+            popen = subprocess.Popen(
+                [CELERY, "-A", "agentruns", *args],
+                cwd=ROOT,
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        proc = Proc(name, popen, log)
+        self.procs.append(proc)
+        return proc
+
+    def workers(
+        self, *names: str, beat: bool = False, pool: str = "threads", concurrency: int = 8
+    ) -> list[Proc]:
+        """Start workers (and beat) together; return once every worker consumes."""
+        procs = [
+            self._start(
+                name,
+                [
+                    "worker",
+                    "-P",
+                    pool,
+                    "-c",
+                    str(concurrency),
+                    "-n",
+                    f"{name}-{self.queue}@%h",
+                    # Startup without waiting on other workers' replies.
+                    "--without-mingle",
+                    "--without-gossip",
+                    "--without-heartbeat",
+                    "-l",
+                    "INFO",
+                ],
+            )
+            for name in names
+        ]
+        waits = [(proc, " ready.") for proc in procs]
+        if beat:
+            schedule = self.tmp_path / "beat-schedule"
+            proc = self._start("beat", ["beat", "-s", str(schedule), "-l", "INFO"])
+            waits.append((proc, "beat: Starting"))
+        for proc, line in waits:
+            wait_for(partial(self._printed, proc, line), f"{proc.name} to start")
+        return procs
+
+    def _printed(self, proc: Proc, line: str) -> bool:
+        if proc.popen.poll() is not None:
+            raise AssertionError(f"{proc.name} exited:\n{proc.output()}")
+        return line in proc.output()
+
+    def holder(self, run_id: str, leases: RedisLeases) -> Proc:
+        """The worker whose engine holds the run's lease (owner is ``host:pid:random``)."""
+        owner = wait_for(lambda: leases.holder(run_id), f"a lease on {run_id}")
+        pid = int(owner.split(":")[-2])
+        return next(p for p in self.procs if p.pid == pid)
+
+    def tool_calls(self, tool: str, run_id: str | None = None) -> list[int]:
+        """The pids of the processes that called ``tool`` (for ``run_id``), in order."""
+        if not self.tool_log.exists():
+            return []
+        calls = []
+        for line in self.tool_log.read_text().splitlines():
+            name, run, pid = line.split()
+            if name == tool and run_id in (None, run):
+                calls.append(int(pid))
+        return calls
+
+    def stop(self) -> None:
+        for proc in self.procs:
+            if proc.popen.poll() is None:
+                proc.popen.kill()
+        for proc in self.procs:
+            proc.popen.wait(timeout=10)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, db_url: str, queue: str, celery_app: Any) -> Iterator[Cluster]:
+    env = {
+        **os.environ,
+        "AGENTRUNS_DATABASE_URL": db_url,
+        "AGENTRUNS_REDIS_URL": REDIS_URL,
+        "AGENTRUNS_BROKER_URL": REDIS_URL,
+        "AGENTRUNS_QUEUE": queue,
+        "AGENTRUNS_AGENTS": "tests.support.celery_agents",
+        "AGENTRUNS_SECRET": "test-secret",
+        "AGENTRUNS_LEASE_TTL": str(LEASE_TTL),
+        "AGENTRUNS_REQUEUE_AFTER": str(REQUEUE_AFTER),
+        "AGENTRUNS_TICK_INTERVAL": "1",
+        "AGENTRUNS_RECOVER_INTERVAL": "1",
+        "AGENTRUNS_TEST_LOG": str(tmp_path / "tools.log"),
+        "PYTHONPATH": str(ROOT),
+    }
+    group = Cluster(tmp_path, env, queue)
+    try:
+        yield group
+    finally:
+        group.stop()
+        for proc in group.procs:  # shown by pytest when the test failed
+            print(f"----- {proc.name} (pid {proc.pid}) -----\n{proc.output()[-6000:]}")
+
+
+@pytest.fixture
+def leases() -> Iterator[RedisLeases]:
+    """The workers' leases (the default prefix), to see who holds a run."""
+    instance = RedisLeases(REDIS_URL)
+    yield instance
+    instance.close()
+
+
+@pytest.fixture
+def engine(make_engine: EngineFactory, celery_app: Any) -> Engine:
+    """An engine in the test process whose executions go to the workers."""
+    return make_engine(
+        [celery_agents.quick, celery_agents.charger],
+        scheduler=CeleryScheduler(celery_app),
+        leases=RedisLeases(REDIS_URL),
+        lease_ttl=LEASE_TTL,
+        requeue_after=REQUEUE_AFTER,
+    )
+
+
+def assert_replayed_once(engine: Engine, run: Run, script: list[Any]) -> None:
+    """Dense steps, and exactly one saved model call per response of the script."""
+    steps = engine.steps(run.id)
+    assert [s.index for s in steps] == list(range(len(steps)))
+    assert [s.kind for s in steps].count("llm") == len(script)
+    assert run.steps_used == len(script)
+
+
+def completed(engine: Engine, run_id: str) -> Run | None:
+    run = engine.get_run(run_id)
+    assert run.status in (RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.COMPLETED), run
+    return run if run.status is RunStatus.COMPLETED else None
+
+
+# -- the tests --------------------------------------------------------------------------------
+
+
+def test_runs_sent_with_delay_complete_across_two_workers(cluster: Cluster, engine: Engine) -> None:
+    from agentruns.tasks import dispatch
+
+    cluster.workers("w1", "w2")
+    for i in range(30):
+        dispatch.delay("quick", trigger({"n": i}), idempotency_key=f"run-{i}")
+    dispatch.delay("quick", trigger({"n": 7}), idempotency_key="run-7")  # a duplicate
+
+    def all_completed() -> list[Run] | None:
+        runs = engine.list_runs(limit=100)
+        done = [r for r in runs if r.status is RunStatus.COMPLETED]
+        return runs if len(done) == 30 else None
+
+    runs = wait_for(all_completed, "30 completed runs")
+    time.sleep(0.3)  # a second run for the duplicate would have shown up by now
+    runs = engine.list_runs(limit=100)
+    assert len(runs) == 30
+    assert {r.idempotency_key for r in runs} == {f"run-{i}" for i in range(30)}
+    assert all(r.output == "Done." and r.claim is None for r in runs)
+    for run in runs:
+        assert_replayed_once(engine, run, QUICK_SCRIPT)
+    notes = cluster.tool_calls("note")
+    assert len(notes) == 30
+    assert set(notes) == {p.pid for p in cluster.procs}  # both workers took part
+    assert all(p.popen.poll() is None for p in cluster.procs)
+
+
+def test_killed_worker_run_completes_elsewhere_without_manual_step(
+    cluster: Cluster, engine: Engine, leases: RedisLeases
+) -> None:
+    from agentruns.tasks import dispatch
+
+    cluster.workers("w1", "w2", beat=True)
+    dispatch.delay("charger", trigger({"card": "4242"}), idempotency_key="kill-me")
+    run = wait_for(lambda: next(iter(engine.list_runs()), None), "the run to be stored")
+
+    # Kill the holder once the charge is recorded, while its next model call is in flight.
+    wait_for(
+        lambda: any(s.name == "charge" for s in engine.steps(run.id)), "the charge to be saved"
+    )
+    victim = cluster.holder(run.id, leases)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.popen.wait(timeout=5)
+    (survivor,) = [p for p in cluster.procs if p.name != "beat" and p is not victim]
+
+    # Beat's recover finds the expired claim; the survivor finishes from the checkpoint.
+    done = wait_for(lambda: completed(engine, run.id), "the run to complete elsewhere")
+    assert done.output == "Charged."
+    assert cluster.tool_calls("charge", run.id) == [victim.pid]  # the effect ran once
+    assert cluster.tool_calls("note", run.id)[-1] == survivor.pid
+    assert_replayed_once(engine, done, CHARGE_SCRIPT)
+
+
+def test_sigterm_drains_the_worker_and_recover_lets_another_finish(
+    cluster: Cluster, engine: Engine, leases: RedisLeases
+) -> None:
+    from agentruns.tasks import dispatch
+
+    cluster.workers("w1", "w2")
+    dispatch.delay("charger", trigger({"card": "4242"}), idempotency_key="drain-me")
+    run = wait_for(lambda: next(iter(engine.list_runs()), None), "the run to be stored")
+    wait_for(lambda: engine.steps(run.id), "the first step to be saved")
+
+    victim = cluster.holder(run.id, leases)
+    stopped = time.monotonic()
+    victim.popen.send_signal(signal.SIGTERM)
+    assert victim.popen.wait(timeout=10) == 0
+    assert time.monotonic() - stopped < 5.0
+
+    interrupted = engine.get_run(run.id)
+    assert interrupted.status is RunStatus.INTERRUPTED
+    assert interrupted.claim is None
+    assert leases.holder(run.id) is None
+    assert "'status': 'interrupted'" in victim.output()  # the task returned: its message acked
+
+    assert engine.recover() == [run.id]
+    (survivor,) = [p for p in cluster.procs if p is not victim]
+    done = wait_for(lambda: completed(engine, run.id), "another worker to finish the run")
+    assert done.output == "Charged."
+    assert len(cluster.tool_calls("charge", run.id)) == 1
+    assert cluster.tool_calls("note", run.id)[-1] == survivor.pid
+    assert_replayed_once(engine, done, CHARGE_SCRIPT)
+
+
+def test_runs_whose_messages_were_lost_are_rescheduled_by_recover(
+    cluster: Cluster, engine: Engine, queue: str
+) -> None:
+    runs = [engine.dispatch("quick", trigger({"n": i})) for i in range(5)]
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        assert client.delete(queue) == 1  # the broker loses every execute message
+    finally:
+        client.close()
+    assert engine.recover() == []  # queued too recently to be called lost
+
+    cluster.workers("w1")
+    assert all(engine.get_run(r.id).status is RunStatus.QUEUED for r in runs)
+
+    # Each run is requeued once it has been queued REQUEUE_AFTER seconds, by one sweep or the next.
+    requeued: list[str] = []
+
+    def all_requeued() -> bool:
+        requeued.extend(engine.recover())
+        return len(requeued) >= len(runs)
+
+    wait_for(all_requeued, "recover to requeue the runs", timeout=REQUEUE_AFTER + 5)
+    assert sorted(requeued) == sorted(r.id for r in runs)
+    for run in runs:
+        done = wait_for(partial(completed, engine, run.id), "the runs to complete")
+        assert_replayed_once(engine, done, QUICK_SCRIPT)
+
+
+def test_redelivered_and_bad_messages_store_nothing_more(cluster: Cluster, engine: Engine) -> None:
+    from agentruns.tasks import cancel, dispatch, execute, resume
+
+    (worker,) = cluster.workers("w1")
+    # The same message twice (a redelivery): without an idempotency key, its id is the key.
+    for _ in range(2):
+        dispatch.apply_async(("quick", trigger({"n": 1})), task_id="the-same-message")
+    # Bad input fails its task once, with the reason, and is not retried.
+    dispatch.delay("no-such-agent", trigger())
+    dispatch.delay("quick", {"payload": 1})  # not a trigger envelope
+    resume.delay("not-a-token", True)
+    cancel.delay("no-such-run")
+    execute.delay("no-such-run")
+    expected = {
+        "UnknownAgentError": 1,
+        "InvalidTriggerError": 1,
+        "InvalidTokenError": 1,
+        "RunNotFoundError": 2,
+    }
+
+    def answered() -> dict[str, int] | None:
+        counts = {name: worker.output().count(f"raised expected: {name}") for name in expected}
+        done = engine.list_runs(status=RunStatus.COMPLETED)
+        return counts if counts == expected and done else None
+
+    wait_for(answered, "the worker to answer every message")
+    time.sleep(0.5)  # a retry, or a second run, would show up by now
+    (run,) = engine.list_runs()
+    assert run.status is RunStatus.COMPLETED
+    assert run.idempotency_key == "task:the-same-message"
+    assert answered() == expected
+    assert "Retry in" not in worker.output() and "Traceback" not in worker.output()
+    assert worker.popen.poll() is None
+
+
+def test_prefork_children_have_their_own_engines_and_drain_on_sigterm(
+    cluster: Cluster, engine: Engine, leases: RedisLeases
+) -> None:
+    from agentruns.tasks import dispatch
+
+    (worker,) = cluster.workers("w1", pool="prefork", concurrency=2)
+    quick = [engine.dispatch("quick", trigger({"n": i})) for i in range(4)]
+    for run in quick:
+        wait_for(partial(completed, engine, run.id), "the quick runs to complete")
+    # Each child built its own engine (and database pool) after the fork.
+    children = set(cluster.tool_calls("note"))
+    assert children and worker.pid not in children
+
+    dispatch.delay("charger", trigger({"card": "4242"}), idempotency_key="drain-child")
+    run = wait_for(
+        lambda: next((r for r in engine.list_runs() if r.agent == "charger"), None),
+        "the run to be stored",
+    )
+    wait_for(lambda: engine.steps(run.id), "the first step to be saved")
+    owner = wait_for(lambda: leases.holder(run.id), "a lease on the run")
+    assert int(owner.split(":")[-2]) != worker.pid  # a child holds it, not the main process
+
+    stopped = time.monotonic()
+    worker.popen.send_signal(signal.SIGTERM)  # the main process tells its children to drain
+    assert worker.popen.wait(timeout=10) == 0
+    assert time.monotonic() - stopped < 5.0
+    interrupted = engine.get_run(run.id)
+    assert interrupted.status is RunStatus.INTERRUPTED
+    assert interrupted.claim is None
+
+
+def test_celeryconfig_matches_the_builtin_defaults() -> None:
+    """An installed package without celeryconfig.py gets the same settings."""
+    from agentruns.celery import _builtin_config
+
+    settings = runpy.run_path(str(ROOT / "celeryconfig.py"))  # read now, like the defaults
+    for key, value in _builtin_config().items():
+        assert settings[key] == value, key

@@ -8,13 +8,12 @@ broker (no ETA or countdown), because ``recover`` finds anything a lost
 message leaves behind.
 
 Values come from ``AGENTRUNS_*`` settings (see ``agentruns.settings``).
-``AGENTRUNS_QUEUE`` names the queue, so that several deployments (or test
+``AGENTRUNS_QUEUE`` (settings.queue) names the queue, so that several deployments (or test
 sessions) can share one Redis.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from agentruns.settings import get_settings
@@ -53,7 +52,7 @@ worker_cancel_long_running_tasks_on_connection_loss = True
 # Results live in Postgres (runs and steps), not in a Celery result backend.
 task_ignore_result = True
 
-task_default_queue = os.environ.get("AGENTRUNS_QUEUE", "agentruns")
+task_default_queue = _settings.queue
 
 task_serializer = "json"
 accept_content = ["json"]

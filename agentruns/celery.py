@@ -48,7 +48,7 @@ def _builtin_config() -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "task_ignore_result": True,
-        "task_default_queue": os.environ.get("AGENTRUNS_QUEUE", "agentruns"),
+        "task_default_queue": s.queue,
         "task_serializer": "json",
         "accept_content": ["json"],
         "worker_send_task_events": True,

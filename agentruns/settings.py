@@ -21,6 +21,8 @@ class Settings(BaseSettings):
     requeue_after: float = Field(default=60.0, gt=0)
     tick_interval: float = Field(default=5.0, gt=0)
     recover_interval: float = Field(default=15.0, gt=0)
+    # The Celery queue: several deployments (or test sessions) can share one Redis.
+    queue: str = "agentruns"
 
     @property
     def agent_modules(self) -> list[str]:

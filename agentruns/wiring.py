@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from agentruns.agent import Agent
@@ -13,7 +15,14 @@ if TYPE_CHECKING:
 
 
 def load_agents(modules: list[str]) -> list[Agent]:
-    """Every ``Agent`` defined at module level in the given modules."""
+    """Every ``Agent`` defined at module level in the given modules.
+
+    Modules are found from the working directory too, as ``celery -A`` finds
+    its app, so ``AGENTRUNS_AGENTS=workers.triage`` works from a project root.
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.append(cwd)
     found: list[Agent] = []
     for name in modules:
         module = importlib.import_module(name)

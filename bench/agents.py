@@ -1,0 +1,16 @@
+"""The agents the Celery workers of figures 4 and 5 import (``AGENTRUNS_AGENTS=bench.agents``)."""
+
+from __future__ import annotations
+
+import os
+
+from bench import workload
+
+THROUGHPUT_STEPS = 5
+THROUGHPUT_LATENCY_S = 0.2
+# Figure 5 kills a worker mid-run: a run long enough to still be going afterwards.
+LONG_STEPS = 400
+LONG_LATENCY_S = float(os.environ.get("AGENTRUNS_BENCH_LONG_LATENCY", "0.25"))
+
+throughput = workload.agent("bench_throughput", THROUGHPUT_STEPS, THROUGHPUT_LATENCY_S)
+long_run = workload.agent("bench_long", LONG_STEPS, LONG_LATENCY_S)

@@ -1,0 +1,156 @@
+"""Figure 4: runs per second through real Celery workers (threads pool).
+
+500 runs of S = 5 steps with a 200 ms model latency go to two workers
+``-P threads -c 100``, dispatched with ``agentruns.tasks.dispatch`` (the
+producer's call; a worker stores the run and sends its execution). The clock
+runs from the first dispatch to the last run's ``finished_at``. With 200 runs
+in flight and about 1 s of model time per run, the ideal is 200 runs/s;
+efficiency is the achieved rate over that.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import psycopg
+
+from bench import agents, workload
+from bench.cluster import Proc, celery_queue, cluster, forget_leases, producer_app, wait_for
+from bench.report import Figure, median, spread
+from bench.services import fresh_database, plain
+
+
+@dataclass
+class Sizes:
+    runs: int = 500
+    workers: int = 2
+    concurrency: int = 100
+
+
+QUICK = Sizes(runs=100)
+
+
+def ideal_rate(sizes: Sizes) -> float:
+    seconds_per_run = agents.THROUGHPUT_STEPS * agents.THROUGHPUT_LATENCY_S
+    return sizes.workers * sizes.concurrency / seconds_per_run
+
+
+def _counts(conn: psycopg.Connection[Any], batch: str) -> dict[str, int]:
+    rows = conn.execute(
+        "SELECT status, count(*) FROM agentruns_runs WHERE idempotency_key LIKE %s GROUP BY 1",
+        (f"{batch}-%",),
+    ).fetchall()
+    return {status: n for status, n in rows}
+
+
+def one_batch(
+    conn: psycopg.Connection[Any], queue: str, batch: str, sizes: Sizes, workers: list[Proc]
+) -> dict[str, Any]:
+    from agentruns.tasks import dispatch
+
+    cpu_before = [w.cpu_seconds() or 0.0 for w in workers]
+    producer_cpu = time.process_time()
+    started = datetime.now(UTC)
+    t0 = time.perf_counter()
+    for i in range(sizes.runs):
+        dispatch.apply_async(
+            ("bench_throughput", workload.trigger(i)),
+            {"idempotency_key": f"{batch}-{i}"},
+            queue=queue,
+        )
+    sent_s = time.perf_counter() - t0
+    producer_cpu = time.process_time() - producer_cpu
+
+    def finished() -> dict[str, int] | None:
+        counts = _counts(conn, batch)
+        bad = {s: n for s, n in counts.items() if s not in ("queued", "running", "completed")}
+        if bad:
+            raise RuntimeError(f"runs ended badly: {counts}")
+        return counts if counts.get("completed", 0) == sizes.runs else None
+
+    try:
+        wait_for(finished, f"{sizes.runs} runs to complete", timeout=60 + sizes.runs / 5, every=0.1)
+    except TimeoutError as exc:
+        raise TimeoutError(f"{exc}: {_counts(conn, batch)}") from None
+    first_created, last_finished, latency, wait, busy = conn.execute(
+        "SELECT min(created_at), max(finished_at),"
+        " percentile_cont(ARRAY[0.5, 0.95]) WITHIN GROUP"
+        " (ORDER BY extract(epoch FROM finished_at - created_at)),"
+        " percentile_cont(ARRAY[0.5, 0.95]) WITHIN GROUP"
+        " (ORDER BY extract(epoch FROM started_at - created_at)),"
+        " sum(extract(epoch FROM finished_at - started_at))"
+        " FROM agentruns_runs WHERE idempotency_key LIKE %s",
+        (f"{batch}-%",),
+    ).fetchone()
+    elapsed = (last_finished - started).total_seconds()
+    worker_cpu = sum((w.cpu_seconds() or 0.0) - b for w, b in zip(workers, cpu_before, strict=True))
+    return {
+        "seconds": elapsed,
+        "runs_per_s": sizes.runs / elapsed,
+        "dispatch_send_s": sent_s,
+        "first_stored_after_s": (first_created - started).total_seconds(),
+        "run_latency_p50_s": latency[0],
+        "run_latency_p95_s": latency[1],
+        # Stored until first claimed: time in the broker queue and the worker's prefetch.
+        "queued_p50_s": wait[0],
+        "queued_p95_s": wait[1],
+        "execution_s_mean": float(busy) / sizes.runs,
+        # Runs executing at once, on average over the batch (200 would be ideal).
+        "running_mean": float(busy) / elapsed,
+        # CPU per run: the two workers (engine and Celery) and this producer's sends;
+        # Postgres and Redis come on top, on the same 2 cores.
+        "worker_cpu_ms_per_run": worker_cpu * 1000 / sizes.runs,
+        "producer_cpu_ms_per_run": producer_cpu * 1000 / sizes.runs,
+    }
+
+
+def measure(repeat: int, quick: bool) -> list[Figure]:
+    sizes = QUICK if quick else Sizes()
+    batches: list[dict[str, Any]] = []
+    with fresh_database() as url, celery_queue() as queue:
+        try:
+            with cluster(url, queue, slots=str(sizes.concurrency)) as group:
+                names = [f"w{i + 1}" for i in range(sizes.workers)]
+                workers = group.workers(*names, concurrency=sizes.concurrency)
+                producer_app(queue)
+                with psycopg.connect(plain(url), autocommit=True) as conn:
+                    try:
+                        for r in range(repeat):
+                            batches.append(one_batch(conn, queue, f"b{r}", sizes, workers))
+                    except Exception as exc:
+                        raise RuntimeError(f"{exc}\n{group.tail()}") from exc
+        finally:
+            with psycopg.connect(plain(url), autocommit=True) as conn:
+                forget_leases([r[0] for r in conn.execute("SELECT id FROM agentruns_runs")])
+    rates = [b["runs_per_s"] for b in batches]
+    rate = median(rates)
+    ideal = ideal_rate(sizes)
+    detail = {
+        "runs": sizes.runs,
+        "workers": sizes.workers,
+        "concurrency": sizes.concurrency,
+        "ideal_runs_per_s": ideal,
+        "runs_per_s": spread(rates),
+        "batches": batches,
+    }
+    return [
+        Figure(
+            id="4a",
+            name=f"Celery throughput, {sizes.runs} runs of S = {agents.THROUGHPUT_STEPS}",
+            unit="runs/s",
+            value=rate,
+            detail=detail,
+        ),
+        Figure(
+            id="4",
+            name=f"Celery efficiency (runs/s ÷ {ideal:.0f})",
+            unit="",
+            value=rate / ideal,
+            target=0.7,
+            bound="min",
+            detail={"per_repeat": [r / ideal for r in rates]},
+        ),
+    ]

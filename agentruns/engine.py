@@ -235,7 +235,7 @@ class Engine:
 
     def _fail_unknown_agent(self, run: Run, epoch: int) -> Run:
         committed = self.store.commit(
-            run.id,
+            run,
             Guard(status=RunStatus.RUNNING, epoch=epoch),
             Commit(
                 status=RunStatus.FAILED,
@@ -398,7 +398,7 @@ class Engine:
             finished_at=now,
         )
         committed = self.store.commit(
-            run.id,
+            run,
             Guard(status=RunStatus.WAITING, token_id=wait.token_id),
             # The same step index: the answer joins the checkpoint of the step that asked.
             Commit(

@@ -465,7 +465,7 @@ class Execution:
     def _commit(self, write: Commit) -> Run:
         if self.reason is Abort.LEASE_LOST:
             raise LeaseLostError(self.run.id)
-        committed = self.store.commit(self.run.id, self._guard, write)
+        committed = self.store.commit(self.run, self._guard, write)
         assert committed is not None  # a running guard raises instead
         self.run = committed.run
         self.engine.published(committed)

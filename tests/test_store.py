@@ -68,7 +68,7 @@ def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url:
     step = NewStep(kind="llm", name="m", started_at=now, finished_at=now)
     with pytest.raises(LeaseLostError):
         store.commit(
-            run.id,
+            run,
             Guard(status=RunStatus.RUNNING, epoch=first.epoch),
             Commit(steps=[step], messages=[{"role": "user", "content": "x"}]),
         )
@@ -112,15 +112,15 @@ def test_a_checkpoint_with_the_same_step_index_replaces_the_pointer(db_url: str)
     guard = Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
     user = {"role": "user", "content": "hi"}
     call = {"type": "tool_use", "id": "t1", "name": "x", "input": {}}
-    store.commit(run.id, guard, Commit(messages=[user, {"role": "assistant", "content": [call]}]))
-    store.commit(run.id, guard, Commit(checkpoint=(0, "tool_use")))
+    store.commit(run, guard, Commit(messages=[user, {"role": "assistant", "content": [call]}]))
+    store.commit(run, guard, Commit(checkpoint=(0, "tool_use")))
     first = store.checkpoint(run.id)
     assert first is not None and len(first.messages) == 2
     result = {
         "role": "user",
         "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}],
     }
-    store.commit(run.id, guard, Commit(messages=[result], checkpoint=(0, "tool_use")))
+    store.commit(run, guard, Commit(messages=[result], checkpoint=(0, "tool_use")))
     second = store.checkpoint(run.id)
     assert second is not None and second.step_index == 0 and len(second.messages) == 3
     store.close()

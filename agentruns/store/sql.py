@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, Engine, RowMapping
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
@@ -94,7 +95,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     return sa.create_engine(url, json_serializer=_dumps, **kwargs)
 
 
-def _run_from_row(row: RowMapping) -> Run:
+def _run_from_row(row: RowMapping | dict[str, Any]) -> Run:
     claim = None
     if row["claim_owner"] is not None and row["claim_expires_at"] is not None:
         claim = Claim(owner=row["claim_owner"], expires_at=_aware(row["claim_expires_at"]))
@@ -126,7 +127,38 @@ def _run_from_row(row: RowMapping) -> Run:
     )
 
 
-def _new_steps(row: RowMapping, run_id: str, commit: Commit) -> list[Step]:
+def _updated(base: Run, row: dict[str, Any]) -> Run:
+    """``base`` with the columns a write returned (no re-validation of the rest)."""
+    claim = None
+    if row["claim_owner"] is not None and row["claim_expires_at"] is not None:
+        claim = Claim(owner=row["claim_owner"], expires_at=row["claim_expires_at"])
+    usage = base.usage
+    if (row["input_tokens"], row["output_tokens"]) != (usage.input_tokens, usage.output_tokens):
+        usage = Usage(
+            input_tokens=row["input_tokens"],
+            output_tokens=row["output_tokens"],
+            cache_creation_input_tokens=row["cache_creation_input_tokens"],
+            cache_read_input_tokens=row["cache_read_input_tokens"],
+        )
+    waiting = row["waiting"]
+    return base.model_copy(
+        update={
+            "status": RunStatus(row["status"]),
+            "output": row["output"],
+            "error": RunError.model_validate(row["error"]) if row["error"] else None,
+            "usage": usage,
+            "steps_used": row["steps_used"],
+            "waiting": WaitPoint.model_validate(waiting) if waiting else None,
+            "claim": claim,
+            "cancel_requested": row["cancel_requested"],
+            "updated_at": row["updated_at"],
+            "started_at": row["started_at"],
+            "finished_at": row["finished_at"],
+        }
+    )
+
+
+def _new_steps(row: RowMapping | dict[str, Any], run_id: str, commit: Commit) -> list[Step]:
     first = row["step_count"] - len(commit.steps)
     return [
         Step(
@@ -376,25 +408,25 @@ class SqlStore:
             ).first()
             return None if row is None else bool(row[0])
 
-    def commit(self, run_id: str, guard: Guard, commit: Commit) -> Committed | None:
-        """Apply one write atomically if the run still matches ``guard``.
+    def commit(self, run: Run, guard: Guard, commit: Commit) -> Committed | None:
+        """Apply one write to ``run`` atomically if it still matches ``guard``.
 
         A running guard that matches no row means another engine owns the run:
         that raises ``LeaseLostError``. Other guards return None.
         """
         now = utcnow()
         if self._postgres:
-            row = self._commit_statement(run_id, guard, commit, now)
+            row = self._commit_statement(run.id, guard, commit, now)
             if row is None:
                 if guard.status == RunStatus.RUNNING:
-                    raise LeaseLostError(run_id)
+                    raise LeaseLostError(run.id)
                 return None
-            return Committed(run=_run_from_row(row), steps=_new_steps(row, run_id, commit))
-        return self._commit_transaction(run_id, guard, commit, now)
+            return Committed(run=_updated(run, row), steps=_new_steps(row, run.id, commit))
+        return self._commit_transaction(run.id, guard, commit, now)
 
     def _commit_statement(
         self, run_id: str, guard: Guard, commit: Commit, now: datetime
-    ) -> RowMapping | None:
+    ) -> dict[str, Any] | None:
         usage = commit.usage or Usage()
         final = commit.status is not None and commit.status.is_final
         params = {
@@ -445,8 +477,29 @@ class SqlStore:
             ),
             "messages": _dumps(commit.messages),
         }
-        with self._autocommit.connect() as conn:
-            return conn.exec_driver_sql(_COMMIT_SQL, params).mappings().first()
+        return self._execute_raw(_COMMIT_SQL, params)
+
+    def _execute_raw(self, sql: str, params: dict[str, Any]) -> dict[str, Any] | None:
+        """One autocommit statement on the driver connection, skipping SQLAlchemy's
+        result layer (the hot path: two of these per model step)."""
+        pooled = self.engine.raw_connection()
+        try:
+            driver = pooled.driver_connection
+            assert driver is not None
+            driver.autocommit = True
+            try:
+                with driver.cursor() as cursor:
+                    cursor.execute(sql, params, prepare=True)
+                    row = cursor.fetchone()
+                    names = [d.name for d in cursor.description or ()]
+            finally:
+                driver.autocommit = False
+        except psycopg.OperationalError as exc:
+            pooled.invalidate(exc)
+            raise sa.exc.OperationalError(sql, params, exc) from exc
+        finally:
+            pooled.close()
+        return dict(zip(names, row, strict=True)) if row is not None else None
 
     def _commit_transaction(
         self, run_id: str, guard: Guard, commit: Commit, now: datetime
@@ -697,7 +750,7 @@ class SqlStore:
             return None
         waiting = run.waiting.model_copy(update={"notified_at": at})
         committed = self.commit(
-            run_id,
+            run,
             Guard(status=RunStatus.WAITING, token_id=token_id),
             Commit(waiting=waiting),
         )

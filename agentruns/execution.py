@@ -240,12 +240,7 @@ class Execution:
             name=response.model or self.agent.model.name,
             started_at=self._step_started,
             finished_at=now,
-            output={
-                "text": response.text,
-                "tool_calls": [{"id": c["id"], "name": c["name"]} for c in calls],
-                "finish_reason": response.stop_reason,
-                "usage": response.usage.model_dump(),
-            },
+            output=_llm_output(response, calls),
         )
         write = Commit(
             steps=[step],
@@ -513,6 +508,20 @@ class Execution:
             pass
         except Exception as exc:
             self.engine.report(exc)
+
+
+def _llm_output(response: ModelResponse, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """What an llm step row keeps: the message itself is stored once, in the transcript."""
+    output: dict[str, Any] = {
+        "finish_reason": response.stop_reason,
+        # Zero counts are left out: this row is written on every step.
+        "usage": {k: v for k, v in response.usage.model_dump().items() if v},
+    }
+    if response.text:
+        output["text"] = response.text
+    if calls:
+        output["tool_calls"] = [{"id": c["id"], "name": c["name"]} for c in calls]
+    return output
 
 
 def _ok(value: Any) -> _Outcome:

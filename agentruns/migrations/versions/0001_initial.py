@@ -54,6 +54,7 @@ def upgrade() -> None:
         sa.Column("updated_at", TS, nullable=False),
         sa.Column("started_at", TS),
         sa.Column("finished_at", TS),
+        postgresql_with={"fillfactor": 70},
     )
     op.create_index(
         "agentruns_runs_one_running_per_key",
@@ -63,7 +64,7 @@ def upgrade() -> None:
         postgresql_where=sa.text(RUNNING_WITH_KEY),
         sqlite_where=sa.text(RUNNING_WITH_KEY),
     )
-    op.create_index("agentruns_runs_status_updated", "agentruns_runs", ["status", "updated_at"])
+    op.create_index("agentruns_runs_status", "agentruns_runs", ["status"])
     op.create_index(
         "agentruns_runs_key_created", "agentruns_runs", ["concurrency_key", "created_at"]
     )

@@ -445,7 +445,7 @@ def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
     with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
         conn.execute(
             'UPDATE agentruns_messages SET body = \'{"role": "assistant"}\' '
-            "WHERE run_id = %s AND seq = 2",
+            "WHERE seq = 2 AND run_key = (SELECT key FROM agentruns_runs WHERE id = %s)",
             (run.id,),
         )
     worker = make_engine([Agent("a", model, tools=[search_issues])])

@@ -33,8 +33,8 @@ WITH run AS (
     RETURNING *
 ), new_steps AS (
     INSERT INTO agentruns_steps
-        (run_id, idx, kind, name, input, output, error, started_at, finished_at)
-    SELECT run.id, run.step_count - %(n_steps)s + s.ord - 1,
+        (run_key, idx, kind, name, input, output, error, started_at, finished_at)
+    SELECT run.key, run.step_count - %(n_steps)s + s.ord - 1,
            s.kind, s.name, s.input, s.output, s.error, s.started_at, s.finished_at
     FROM run, ROWS FROM (
         json_to_recordset(%(steps)s::json) AS (
@@ -42,8 +42,8 @@ WITH run AS (
             started_at timestamptz, finished_at timestamptz)
     ) WITH ORDINALITY AS s(kind, name, input, output, error, started_at, finished_at, ord)
 ), new_messages AS (
-    INSERT INTO agentruns_messages (run_id, seq, body)
-    SELECT run.id, run.message_count - %(n_messages)s + m.ord - 1, m.body
+    INSERT INTO agentruns_messages (run_key, seq, body)
+    SELECT run.key, run.message_count - %(n_messages)s + m.ord - 1, m.body
     FROM run, json_array_elements(%(messages)s::json) WITH ORDINALITY AS m(body, ord)
 )
 -- Only what a write can change: the caller already holds the rest of the run.

@@ -13,10 +13,15 @@ metadata = sa.MetaData()
 
 TS = sa.DateTime(timezone=True)
 
+# Steps and messages point at their run by this 8-byte key, not by the 36-character
+# id: they are the rows written on every step, and so is their primary key index.
+RunKey = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
 runs = sa.Table(
     "agentruns_runs",
     metadata,
-    sa.Column("id", sa.String(64), primary_key=True),
+    sa.Column("key", RunKey, primary_key=True, autoincrement=True),
+    sa.Column("id", sa.String(64), nullable=False, unique=True),
     sa.Column("agent", sa.String(200), nullable=False),
     sa.Column("status", sa.String(16), nullable=False),
     sa.Column("trigger", sa.JSON, nullable=False),
@@ -72,7 +77,7 @@ runs = sa.Table(
 steps = sa.Table(
     "agentruns_steps",
     metadata,
-    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("run_key", RunKey, primary_key=True, autoincrement=False),
     sa.Column("idx", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("kind", sa.String(8), nullable=False),
     sa.Column("name", sa.String(200)),
@@ -86,7 +91,7 @@ steps = sa.Table(
 messages = sa.Table(
     "agentruns_messages",
     metadata,
-    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("run_key", RunKey, primary_key=True, autoincrement=False),
     sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("body", sa.JSON, nullable=False),
 )

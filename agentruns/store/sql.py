@@ -176,9 +176,9 @@ def _new_steps(row: RowMapping | dict[str, Any], run_id: str, commit: Commit) ->
     ]
 
 
-def _step_from_row(row: RowMapping) -> Step:
+def _step_from_row(run_id: str, row: RowMapping) -> Step:
     return Step(
-        run_id=row["run_id"],
+        run_id=run_id,
         index=row["idx"],
         kind=row["kind"],
         name=row["name"],
@@ -288,9 +288,9 @@ class SqlStore:
 
     def steps(self, run_id: str) -> list[Step]:
         with self.engine.connect() as conn:
-            self._require(conn, run_id)
-            rows = conn.execute(sa.select(S).where(S.c.run_id == run_id).order_by(S.c.idx))
-            return [_step_from_row(r) for r in rows.mappings()]
+            key = self._require(conn, run_id)["key"]
+            rows = conn.execute(sa.select(S).where(S.c.run_key == key).order_by(S.c.idx))
+            return [_step_from_row(run_id, r) for r in rows.mappings()]
 
     def _require(self, conn: Connection, run_id: str) -> RowMapping:
         row = conn.execute(sa.select(R).where(R.c.id == run_id)).mappings().first()
@@ -298,8 +298,8 @@ class SqlStore:
             raise RunNotFoundError(run_id)
         return row
 
-    def _messages(self, conn: Connection, run_id: str, upto: int | None) -> list[dict[str, Any]]:
-        query = sa.select(M.c.body).where(M.c.run_id == run_id).order_by(M.c.seq)
+    def _messages(self, conn: Connection, run_key: int, upto: int | None) -> list[dict[str, Any]]:
+        query = sa.select(M.c.body).where(M.c.run_key == run_key).order_by(M.c.seq)
         if upto is not None:
             query = query.where(M.c.seq < upto)
         return [r[0] for r in conn.execute(query)]
@@ -312,7 +312,7 @@ class SqlStore:
             return Checkpoint(
                 run_id=run_id,
                 step_index=row["checkpoint_step"],
-                messages=self._messages(conn, run_id, row["checkpoint_messages"]),
+                messages=self._messages(conn, row["key"], row["checkpoint_messages"]),
                 finish_reason=row["checkpoint_reason"],
                 state=row["state"],
                 created_at=_aware(row["checkpoint_at"]),
@@ -322,7 +322,7 @@ class SqlStore:
         with self.engine.connect() as conn:
             row = self._require(conn, run_id)
             return Transcript(
-                messages=self._messages(conn, run_id, None),
+                messages=self._messages(conn, row["key"], None),
                 checkpoint_messages=row["checkpoint_messages"] or 0,
                 checkpoint_step=row["checkpoint_step"],
                 state=row["state"],
@@ -340,7 +340,7 @@ class SqlStore:
         """The transcript of the thread's latest completed run other than ``before_run``."""
         with self.engine.connect() as conn:
             prev = conn.execute(
-                sa.select(R.c.id, R.c.checkpoint_messages)
+                sa.select(R.c.key, R.c.checkpoint_messages)
                 .where(
                     R.c.thread == thread,
                     R.c.status == RunStatus.COMPLETED.value,
@@ -562,12 +562,13 @@ class SqlStore:
                 return None
             steps = _new_steps(row, run_id, commit)
             first_msg = row["message_count"] - n_msgs
+            key = row["key"]
             if steps:
                 conn.execute(
                     S.insert(),
                     [
                         {
-                            "run_id": run_id,
+                            "run_key": key,
                             "idx": s.index,
                             "kind": s.kind,
                             "name": s.name,
@@ -584,7 +585,7 @@ class SqlStore:
                 conn.execute(
                     M.insert(),
                     [
-                        {"run_id": run_id, "seq": first_msg + i, "body": m}
+                        {"run_key": key, "seq": first_msg + i, "body": m}
                         for i, m in enumerate(commit.messages)
                     ],
                 )

@@ -16,13 +16,15 @@ branch_labels = None
 depends_on = None
 
 TS = sa.DateTime(timezone=True)
+RUN_KEY = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 RUNNING_WITH_KEY = "status = 'running' AND concurrency_key IS NOT NULL"
 
 
 def upgrade() -> None:
     op.create_table(
         "agentruns_runs",
-        sa.Column("id", sa.String(64), primary_key=True),
+        sa.Column("key", RUN_KEY, primary_key=True, autoincrement=True),
+        sa.Column("id", sa.String(64), nullable=False, unique=True),
         sa.Column("agent", sa.String(200), nullable=False),
         sa.Column("status", sa.String(16), nullable=False),
         sa.Column("trigger", sa.JSON, nullable=False),
@@ -71,7 +73,7 @@ def upgrade() -> None:
     op.create_index("agentruns_runs_thread", "agentruns_runs", ["thread", "finished_at"])
     op.create_table(
         "agentruns_steps",
-        sa.Column("run_id", sa.String(64), primary_key=True),
+        sa.Column("run_key", RUN_KEY, primary_key=True, autoincrement=False),
         sa.Column("idx", sa.Integer, primary_key=True, autoincrement=False),
         sa.Column("kind", sa.String(8), nullable=False),
         sa.Column("name", sa.String(200)),
@@ -83,7 +85,7 @@ def upgrade() -> None:
     )
     op.create_table(
         "agentruns_messages",
-        sa.Column("run_id", sa.String(64), primary_key=True),
+        sa.Column("run_key", RUN_KEY, primary_key=True, autoincrement=False),
         sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
         sa.Column("body", sa.JSON, nullable=False),
     )

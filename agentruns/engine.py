@@ -149,8 +149,13 @@ class Engine:
         concurrency_key: str | None = None,
         thread: str | None = None,
         budget: Budget | dict[str, Any] | None = None,
+        schedule: bool = True,
     ) -> Run:
-        """Store a queued run and schedule it; the same idempotency key returns the same run."""
+        """Store a queued run and schedule it; the same idempotency key returns the same run.
+
+        ``schedule=False`` leaves the scheduling to the caller (a worker that
+        executes the run itself, right away).
+        """
         name = agent.name if isinstance(agent, Agent) else agent
         found = self._agents.get(name)
         if found is None:
@@ -178,7 +183,7 @@ class Engine:
         )
         if created:
             self.events.run_updated(run)
-        if run.status is RunStatus.QUEUED:
+        if schedule and run.status is RunStatus.QUEUED:
             # Also for a duplicate: its first dispatcher may have died before scheduling.
             self.scheduler.schedule(run.id)
         return run

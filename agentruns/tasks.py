@@ -61,22 +61,32 @@ def dispatch(
     thread: str | None = None,
     budget: dict[str, Any] | None = None,
 ) -> str:
-    """Store a queued run and schedule its execution; returns the run id.
+    """Store a queued run and execute it here; returns the run id.
 
-    Without an idempotency key or a trigger id, the message's own id is the key,
-    so a redelivered or retried message does not store a second run.
+    The worker that stores the run runs it right away: one message per run
+    instead of a dispatch and an execute. The claim still decides; a run this
+    worker cannot take now (a busy concurrency key, a shutdown) gets an
+    ``execute`` nudge instead. Without an idempotency key or a trigger id, the
+    message's own id is the key, so a redelivered or retried message does not
+    store a second run.
     """
     if idempotency_key is None and not (isinstance(trigger, dict) and trigger.get("id")):
         idempotency_key = f"task:{self.request.id}"
+    engine = get_engine()
     try:
-        run = get_engine().dispatch(
+        run = engine.dispatch(
             agent,
             trigger,
             idempotency_key=idempotency_key,
             concurrency_key=concurrency_key,
             thread=thread,
             budget=budget,
+            schedule=False,
         )
+        if run.status is RunStatus.QUEUED and not shutting_down():
+            run = engine.execute(run.id)
+        if run.status is RunStatus.QUEUED:
+            engine.scheduler.schedule(run.id)
     except _EXPECTED:
         raise
     except Exception as exc:

@@ -47,7 +47,5 @@ WITH run AS (
     FROM run, json_array_elements(%(messages)s::json) WITH ORDINALITY AS m(body, ord)
 )
 -- Only what a write can change: the caller already holds the rest of the run.
-SELECT status, output, error, input_tokens, output_tokens, cache_creation_input_tokens,
-       cache_read_input_tokens, steps_used, step_count, message_count, waiting, claim_owner,
-       claim_expires_at, cancel_requested, updated_at, started_at, finished_at
-FROM run
+-- (The column list is store/sql.py's _WRITE_RETURNS.)
+SELECT {returns} FROM run

@@ -44,7 +44,29 @@ S = schema.steps
 M = schema.messages
 E = schema.effects
 
-_COMMIT_SQL = (Path(__file__).parent / "commit.sql").read_text()
+# What a write returns: every column a write can change, in this order.
+_WRITE_RETURNS = (
+    "status",
+    "output",
+    "error",
+    "input_tokens",
+    "output_tokens",
+    "cache_creation_input_tokens",
+    "cache_read_input_tokens",
+    "steps_used",
+    "step_count",
+    "message_count",
+    "waiting",
+    "claim_owner",
+    "claim_expires_at",
+    "cancel_requested",
+    "updated_at",
+    "started_at",
+    "finished_at",
+)
+_COMMIT_SQL = (
+    (Path(__file__).parent / "commit.sql").read_text().format(returns=", ".join(_WRITE_RETURNS))
+)
 
 
 def _dumps(value: Any) -> str:
@@ -477,11 +499,14 @@ class SqlStore:
             ),
             "messages": _dumps(commit.messages),
         }
-        return self._execute_raw(_COMMIT_SQL, params)
+        return self._execute_raw(_COMMIT_SQL, params, _WRITE_RETURNS)
 
-    def _execute_raw(self, sql: str, params: dict[str, Any]) -> dict[str, Any] | None:
-        """One autocommit statement on the driver connection, skipping SQLAlchemy's
-        result layer (the hot path: two of these per model step)."""
+    def _execute_raw(
+        self, sql: str, params: dict[str, Any], names: tuple[str, ...]
+    ) -> dict[str, Any] | None:
+        """One autocommit statement on the driver connection, returning its first row
+        as ``names``: the hot path (two per model step) skips SQLAlchemy's result
+        layer and psycopg's column descriptions."""
         pooled = self.engine.raw_connection()
         try:
             driver = pooled.driver_connection
@@ -491,7 +516,6 @@ class SqlStore:
                 with driver.cursor() as cursor:
                     cursor.execute(sql, params, prepare=True)
                     row = cursor.fetchone()
-                    names = [d.name for d in cursor.description or ()]
             finally:
                 driver.autocommit = False
         except psycopg.OperationalError as exc:

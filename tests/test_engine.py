@@ -468,3 +468,24 @@ def test_token_budget_counts_cached_input_tokens(make_engine: EngineFactory) -> 
     run = _run_to_end(make_engine([agent]))
     assert run.error is not None and run.error.code == "token_budget_exceeded"
     assert run.steps_used == 2
+
+
+def test_executing_one_run_twice_at_once_runs_it_once(make_engine: EngineFactory) -> None:
+    model = ScriptedModel([tool_use("search_issues", {"query": "x"}), text("ok")], latency_s=0.1)
+    engine = make_engine([Agent("a", model, tools=[search_issues])], scheduler=ManualScheduler())
+    run = engine.dispatch("a", trigger({}))
+    barrier = threading.Barrier(2)
+    results: list[Any] = []
+
+    def go() -> None:
+        barrier.wait()
+        results.append(engine.execute(run.id))
+
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    assert len(model.calls) == 2
+    assert [s.kind for s in engine.steps(run.id)] == ["llm", "tool", "llm"]

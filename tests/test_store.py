@@ -50,8 +50,9 @@ def test_an_engine_refuses_an_unmigrated_database_naming_agentruns_migrate(
     for url in (empty_pg, f"sqlite:///{tmp_path}/fresh.db"):
         with pytest.raises(NotMigratedError, match="agentruns migrate"):
             Engine(SqlStore(url), agents=[agent], secret="s")
-        assert migrate(url) == migrate(url)  # idempotent
-        Engine(SqlStore(url), agents=[agent], secret="s").close()
+        store = SqlStore(url)
+        assert store.migrate() == migrate(url)  # idempotent
+        Engine(store, agents=[agent], secret="s").close()
 
 
 def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url: str) -> None:

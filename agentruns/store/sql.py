@@ -245,6 +245,13 @@ class SqlStore:
             )
         self._checked = True
 
+    def migrate(self) -> str | None:
+        """Apply the packaged migrations (what ``agentruns migrate`` does); returns the revision."""
+        from agentruns.migrate import migrate
+
+        self._checked = False
+        return migrate(self.url)
+
     def _safe_url(self) -> str:
         return self.engine.url.render_as_string(hide_password=True)
 

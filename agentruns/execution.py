@@ -19,7 +19,7 @@ import threading
 import uuid
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from agentruns import transcript
 from agentruns.agent import Agent, RunContext
@@ -30,12 +30,23 @@ from agentruns.errors import (
 )
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
 from agentruns.runs import Budget, Run, RunError, RunStatus, WaitPoint, utcnow
-from agentruns.store.base import Claimed, Commit, EffectRecord, Guard, NewStep
+from agentruns.store.base import Claimed, Commit, Committed, EffectRecord, Guard, NewStep, Store
 from agentruns.tools import StateHolder, Tool, ToolContext, ToolInputError, result_content
 from agentruns.tools import state_tools as make_state_tools
 
-if TYPE_CHECKING:
-    from agentruns.engine import Engine
+
+class Host(Protocol):
+    """What an execution needs from the engine that runs it."""
+
+    store: Store
+
+    def report(self, exc: Exception) -> None: ...
+
+    def notify(self, run: Run) -> None: ...
+
+    def published(self, committed: Committed) -> None: ...
+
+    def is_infrastructure_error(self, exc: Exception) -> bool: ...
 
 
 class Abort(StrEnum):
@@ -64,7 +75,7 @@ class _Outcome:
 class Execution:
     """Drives one claimed run. ``abort()`` may be called from any thread."""
 
-    def __init__(self, engine: Engine, agent: Agent, claimed: Claimed) -> None:
+    def __init__(self, engine: Host, agent: Agent, claimed: Claimed) -> None:
         self.engine = engine
         self.store = engine.store
         self.agent = agent

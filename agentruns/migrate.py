@@ -11,7 +11,7 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 
-from agentruns.store.sql import make_engine
+from agentruns.store.connect import make_engine
 
 _SCRIPTS = str(Path(__file__).parent / "migrations")
 

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection, Engine, RowMapping
+from sqlalchemy.engine import Connection, RowMapping
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from agentruns.errors import LeaseLostError, NotMigratedError, RunNotFoundError
@@ -38,6 +37,8 @@ from agentruns.store.base import (
     RunRef,
     Transcript,
 )
+from agentruns.store.connect import dumps as _dumps
+from agentruns.store.connect import make_engine
 
 R = schema.runs
 S = schema.steps
@@ -69,52 +70,11 @@ _COMMIT_SQL = (
 )
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
-
-
 def _aware(value: datetime | None) -> datetime | None:
     # SQLite hands back naive datetimes; everything we store is UTC.
     if value is not None and value.tzinfo is None:
         return value.replace(tzinfo=UTC)
     return value
-
-
-def make_engine(url: str, **kwargs: Any) -> Engine:
-    """A SQLAlchemy engine with compact JSON and, for SQLite, safe concurrent writes."""
-    if url.startswith("postgresql://"):
-        url = "postgresql+psycopg://" + url[len("postgresql://") :]
-    if url.startswith("sqlite"):
-        engine = sa.create_engine(
-            url,
-            json_serializer=_dumps,
-            connect_args={"check_same_thread": False, "timeout": 30},
-            **kwargs,
-        )
-
-        @sa.event.listens_for(engine, "connect")
-        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-            # Let SQLAlchemy's "begin" below decide when a transaction starts.
-            dbapi_conn.isolation_level = None
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA busy_timeout=30000")
-            cur.close()
-
-        @sa.event.listens_for(engine, "begin")
-        def _on_begin(conn: Connection) -> None:
-            # IMMEDIATE takes the write lock up front, so two writers queue on
-            # busy_timeout instead of failing with "database is locked".
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
-
-        return engine
-    kwargs.setdefault("pool_size", 10)
-    kwargs.setdefault("max_overflow", 20)
-    # No pre-ping round trip per checkout: a dead connection fails its write, which
-    # aborts the execution (recover() finishes the run), and SQLAlchemy then
-    # replaces the pool's connections.
-    kwargs.setdefault("pool_recycle", 1800)
-    return sa.create_engine(url, json_serializer=_dumps, **kwargs)
 
 
 def _run_from_row(row: RowMapping | dict[str, Any]) -> Run:
@@ -229,6 +189,7 @@ class SqlStore:
         """Refuse to work on a database that ``agentruns migrate`` has not brought up to date."""
         if self._checked:
             return
+        # Alembic is imported only here, when a store is first used: not on `import agentruns`.
         from agentruns.migrate import current_revision, head_revision
 
         try:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import threading
 import uuid
-from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -30,8 +29,9 @@ from agentruns.errors import (
 )
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
 from agentruns.runs import Budget, Run, RunError, RunStatus, WaitPoint, utcnow
-from agentruns.store.base import Claimed, Commit, Committed, EffectRecord, Guard, NewStep, Store
-from agentruns.tools import StateHolder, Tool, ToolContext, ToolInputError, result_content
+from agentruns.store.base import Claimed, Commit, Committed, Guard, NewStep, Store
+from agentruns.toolcalls import EffectOutcomeUnknown, Outcome, ToolCaller
+from agentruns.tools import StateHolder, Tool
 from agentruns.tools import state_tools as make_state_tools
 
 
@@ -58,18 +58,6 @@ class Abort(StrEnum):
 
 class _Stop(Exception):
     """Internal: the execution has settled, paused, or must stop writing."""
-
-
-class _EffectUnknown(Exception):
-    """An effect tool's intent is recorded but not its result: it may or may not have run."""
-
-
-@dataclass
-class _Outcome:
-    content: str
-    is_error: bool
-    output: Any = None
-    error: dict[str, str] | None = None
 
 
 class Execution:
@@ -127,10 +115,9 @@ class Execution:
         messages, unsaved, pending, state = self._load()
         self.unsaved = unsaved
         self.state = StateHolder(state)
-        self.tools = self._assemble_tools(ctx)
-        self.effects: dict[str, EffectRecord] = {}
-        if any(t.effect for t in self.tools.values()):
-            self.effects = self.store.effects(self.run.id)
+        self.caller = ToolCaller(
+            self.store, self.run.id, self.epoch, self._assemble_tools(ctx), self.signal
+        )
 
         if self.run.cancel_requested:
             self._settle(RunStatus.CANCELLED)
@@ -142,7 +129,7 @@ class Execution:
             self._run_tools(messages, calls, pending, self.run.steps_used - 1, "tool_use")
 
         system = self.agent.system_prompt(ctx)
-        specs = [t.spec for t in self.tools.values()]
+        specs = [t.spec for t in self.caller.tools.values()]
         while True:
             self._check_abort()
             self._check_budget()
@@ -341,83 +328,31 @@ class Execution:
         approved: bool,
         pending: dict[str, Any],
         tool_steps: list[NewStep],
-    ) -> _Outcome | None:
+    ) -> Outcome | None:
         """One call's outcome, or None when it must wait for an approval."""
-        tool = self.tools.get(call["name"])
-        if tool is None:
-            known = ", ".join(sorted(self.tools)) or "none"
-            return _error("unknown_tool", f"unknown tool {call['name']!r}; available: {known}")
         try:
-            arguments = tool.validate(call["input"])
-        except ToolInputError as exc:
-            return _error("invalid_input", str(exc))
-        ctx = ToolContext(
-            run=self.run,
-            tool_call_id=call["id"],
-            idempotency_key=f"{self.run.id}:{call['id']}",
-            signal=self.signal,
-        )
-        try:
-            if not approved and tool.requires_approval(arguments, ctx):
-                pending[call["id"]] = {"status": "needs_approval"}
-                return None
-            if tool.effect:
-                return self._effect_call(tool, arguments, ctx, approved)
-            return _ok(tool(arguments, ctx))
-        except FatalToolError as exc:
-            step = NewStep(
-                kind="tool",
-                name=call["name"],
-                input=call["input"],
-                error={"code": "fatal_tool_error", "message": str(exc)},
-                started_at=utcnow(),
-                finished_at=utcnow(),
-            )
-            tool_steps.append(step)
+            outcome = self.caller.call(call, self.run, approved)
+        except (FatalToolError, EffectOutcomeUnknown) as exc:
+            fatal = isinstance(exc, FatalToolError)
+            code = "fatal_tool_error" if fatal else "effect_outcome_unknown"
+            if fatal:
+                now = utcnow()
+                tool_steps.append(
+                    NewStep(
+                        kind="tool",
+                        name=call["name"],
+                        input=call["input"],
+                        error={"code": code, "message": str(exc)},
+                        started_at=now,
+                        finished_at=now,
+                    )
+                )
+            message = f"{call['name']}: {exc}" if fatal else str(exc)
             self._settle(
-                RunStatus.FAILED,
-                error=RunError(code="fatal_tool_error", message=f"{call['name']}: {exc}"),
-                steps=tool_steps,
+                RunStatus.FAILED, error=RunError(code=code, message=message), steps=tool_steps
             )
-        except _EffectUnknown:
-            if tool.on_unknown == "approve" and not approved:
-                pending[call["id"]] = {"status": "needs_approval"}
-                return None
-            self._settle(
-                RunStatus.FAILED,
-                error=RunError(
-                    code="effect_outcome_unknown",
-                    message=f"{call['name']} may have run before a crash; "
-                    f"its idempotency key is {ctx.idempotency_key}",
-                ),
-                steps=tool_steps,
-            )
-        except Exception as exc:
-            return _error("tool_error", f"{type(exc).__name__}: {exc}")
-        raise AssertionError("unreachable")
-
-    def _effect_call(
-        self, tool: Tool, arguments: dict[str, Any], ctx: ToolContext, approved: bool
-    ) -> _Outcome:
-        """Run an effect tool at most once per call: intent before, result after."""
-        record = self.effects.get(ctx.tool_call_id)
-        if record is not None and record.done:
-            return _recorded(record.result, record.is_error)
-        if record is not None and tool.on_unknown != "retry" and not approved:
-            raise _EffectUnknown
-        self.store.begin_effect(
-            self.run.id, self.epoch, ctx.tool_call_id, tool.name, ctx.idempotency_key
-        )
-        try:
-            outcome = _ok(tool(arguments, ctx))
-        except FatalToolError:
-            raise
-        except Exception as exc:
-            outcome = _error("tool_error", f"{type(exc).__name__}: {exc}")
-        recorded = outcome.output if not outcome.is_error else outcome.content
-        self.store.finish_effect(
-            self.run.id, self.epoch, ctx.tool_call_id, recorded, outcome.is_error
-        )
+        if outcome is None:
+            pending[call["id"]] = {"status": "needs_approval"}
         return outcome
 
     # -- approvals -------------------------------------------------------------------
@@ -533,23 +468,6 @@ def _llm_output(response: ModelResponse, calls: list[dict[str, Any]]) -> dict[st
     if calls:
         output["tool_calls"] = [{"id": c["id"], "name": c["name"]} for c in calls]
     return output
-
-
-def _ok(value: Any) -> _Outcome:
-    output, content = result_content(value)
-    return _Outcome(content=content, is_error=False, output=output)
-
-
-def _recorded(value: Any, is_error: bool) -> _Outcome:
-    if is_error:
-        return _Outcome(
-            content=str(value), is_error=True, error={"code": "tool_error", "message": str(value)}
-        )
-    return _ok(value)
-
-
-def _error(code: str, message: str) -> _Outcome:
-    return _Outcome(content=message, is_error=True, error={"code": code, "message": message})
 
 
 def _malformed(response: ModelResponse) -> str | None:

@@ -12,6 +12,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
 from typing import Any
 
 import redis
@@ -29,6 +30,7 @@ from agentruns.errors import (
 )
 from agentruns.events import Events, EventType, Listener
 from agentruns.execution import Abort, Execution
+from agentruns.keeper import LeaseKeeper
 from agentruns.leases.base import Leases
 from agentruns.leases.local import LocalLeases
 from agentruns.runs import (
@@ -55,16 +57,6 @@ _INFRASTRUCTURE = (
     redis.TimeoutError,
     OSError,
 )
-
-
-class _Active:
-    """An execution this engine is running, with its lease bookkeeping."""
-
-    def __init__(self, execution: Execution, renew_every: float, timeout_s: float | None):
-        self.execution = execution
-        now = time.monotonic()
-        self.next_renewal = now + renew_every
-        self.deadline = now + timeout_s if timeout_s else None
 
 
 class Engine:
@@ -105,13 +97,10 @@ class Engine:
         for agent in agents:
             self.register(agent)
         self.events = Events(self.report)
-        self._active: dict[str, _Active] = {}
-        self._lock = threading.Lock()
+        self._keeper = LeaseKeeper(self.leases, self.store, self.owner, lease_ttl, self.report)
         self._slots = threading.BoundedSemaphore(slots)
         self._draining = False
         self._closed = False
-        self._stop = threading.Event()
-        self._monitor: threading.Thread | None = None
         self.scheduler.bind(self.execute, slots)
         self._unsubscribe_aborts = self.leases.on_abort_request(self._abort_requested)
         self._closers: list[Callable[[], None]] = []
@@ -212,7 +201,7 @@ class Engine:
             return run
         key = run.concurrency_key
         try:
-            claimed = self.store.claim(run.id, self.owner, self._claim_expiry())
+            claimed = self.store.claim(run.id, self.owner, self._keeper.expiry())
             if claimed is None:
                 return self.store.get_run(run.id)
             self.events.run_updated(claimed.run)
@@ -221,12 +210,11 @@ class Engine:
                 return self._fail_unknown_agent(claimed.run, claimed.epoch)
             execution = Execution(self, agent, claimed)
             budget = claimed.run.budget or agent.budget
-            self._start(execution, budget.timeout_s)
+            self._keeper.keep(execution, budget.timeout_s)
             try:
                 run = execution.execute()
             finally:
-                with self._lock:
-                    self._active.pop(run.id, None)
+                self._keeper.release(run.id)
         except Exception as exc:
             self.report(exc)
         finally:
@@ -260,53 +248,8 @@ class Engine:
         except Exception as exc:
             self.report(exc)
 
-    def _claim_expiry(self) -> Any:
-        from datetime import timedelta
-
-        return utcnow() + timedelta(seconds=self.lease_ttl)
-
-    def _start(self, execution: Execution, timeout_s: float | None) -> None:
-        with self._lock:
-            self._active[execution.run_id] = _Active(execution, self.lease_ttl / 3, timeout_s)
-            if self._monitor is None:
-                self._monitor = threading.Thread(
-                    target=self._watch, name="agentruns-leases", daemon=True
-                )
-                self._monitor.start()
-
-    def _watch(self) -> None:
-        """Renew the leases of running executions and enforce their timeouts."""
-        interval = min(0.1, self.lease_ttl / 10)
-        while not self._stop.wait(interval):
-            now = time.monotonic()
-            with self._lock:
-                active = list(self._active.values())
-            for item in active:
-                if item.deadline is not None and now >= item.deadline:
-                    item.execution.abort(Abort.TIMEOUT)
-                if now >= item.next_renewal:
-                    item.next_renewal = now + self.lease_ttl / 3
-                    self._renew(item.execution)
-
-    def _renew(self, execution: Execution) -> None:
-        cancel: bool | None = None
-        try:
-            if self.leases.renew(execution.run_id, self.owner, self.lease_ttl):
-                cancel = self.store.renew_claim(
-                    execution.run_id, execution.epoch, self._claim_expiry()
-                )
-        except Exception as exc:
-            self.report(exc)
-        if cancel is None:
-            execution.abort(Abort.LEASE_LOST)
-        elif cancel:
-            execution.abort(Abort.CANCEL)
-
     def _abort_requested(self, run_id: str) -> None:
-        with self._lock:
-            item = self._active.get(run_id)
-        if item is not None:
-            item.execution.abort(Abort.CANCEL)
+        self._keeper.abort(run_id, Abort.CANCEL)
 
     # -- called by executions ----------------------------------------------------------
 
@@ -458,8 +401,6 @@ class Engine:
 
     def recover(self) -> list[str]:
         """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge was lost."""
-        from datetime import timedelta
-
         now = utcnow()
         requeued: list[str] = []
         for ref in self.store.sweep_candidates(now - timedelta(seconds=self.requeue_after)):
@@ -471,7 +412,7 @@ class Engine:
                 self.report(exc)
         return requeued
 
-    def _requeue(self, ref: RunRef, now: Any) -> bool:
+    def _requeue(self, ref: RunRef, now: datetime) -> bool:
         if ref.status is RunStatus.RUNNING:
             if ref.claim_expires_at is not None and ref.claim_expires_at > now:
                 return False
@@ -487,15 +428,9 @@ class Engine:
     def drain(self, timeout: float | None = None) -> None:
         """Stop claiming; abort in-flight runs, which settle ``interrupted`` and release claims."""
         self._draining = True
-        with self._lock:
-            active = list(self._active.values())
-        for item in active:
-            item.execution.abort(Abort.DRAIN)
+        self._keeper.abort_all(Abort.DRAIN)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            with self._lock:
-                if not self._active:
-                    return
+        while self._keeper.busy():
             if deadline is not None and time.monotonic() >= deadline:
                 return
             time.sleep(0.01)
@@ -504,9 +439,7 @@ class Engine:
         """True once nothing runs here, nothing more can start, and events were delivered."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            with self._lock:
-                busy = bool(self._active)
-            if not busy and self.scheduler.outstanding() == 0:
+            if not self._keeper.busy() and self.scheduler.outstanding() == 0:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
@@ -517,7 +450,7 @@ class Engine:
             return
         self._closed = True
         self.drain()
-        self._stop.set()
+        self._keeper.stop()
         self._unsubscribe_aborts()
         for closer in self._closers:
             try:

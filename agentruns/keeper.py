@@ -1,0 +1,108 @@
+"""The executions one engine is running, kept honest: leases renewed, timeouts and aborts applied.
+
+One thread per engine renews every held lease every ``lease_ttl/3`` (in Redis,
+then the claim's expiry in the database, fenced by the epoch). A renewal that
+fails aborts that execution as lost; a claim whose run was asked to cancel
+aborts it as cancelled (the fallback when the cancel's pub/sub message was
+missed).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from datetime import datetime, timedelta
+
+from agentruns.execution import Abort, Execution
+from agentruns.leases.base import Leases
+from agentruns.runs import utcnow
+from agentruns.store.base import Store
+
+
+class _Kept:
+    def __init__(self, execution: Execution, renew_every: float, timeout_s: float | None):
+        self.execution = execution
+        now = time.monotonic()
+        self.next_renewal = now + renew_every
+        self.deadline = now + timeout_s if timeout_s else None
+
+
+class LeaseKeeper:
+    def __init__(
+        self,
+        leases: Leases,
+        store: Store,
+        owner: str,
+        lease_ttl: float,
+        report: Callable[[Exception], None],
+    ) -> None:
+        self._leases = leases
+        self._store = store
+        self._owner = owner
+        self._ttl = lease_ttl
+        self._report = report
+        self._kept: dict[str, _Kept] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def expiry(self) -> datetime:
+        return utcnow() + timedelta(seconds=self._ttl)
+
+    def keep(self, execution: Execution, timeout_s: float | None) -> None:
+        with self._lock:
+            self._kept[execution.run_id] = _Kept(execution, self._ttl / 3, timeout_s)
+            if self._thread is None:
+                self._thread = threading.Thread(
+                    target=self._watch, name="agentruns-leases", daemon=True
+                )
+                self._thread.start()
+
+    def release(self, run_id: str) -> None:
+        with self._lock:
+            self._kept.pop(run_id, None)
+
+    def abort(self, run_id: str, reason: Abort) -> None:
+        with self._lock:
+            kept = self._kept.get(run_id)
+        if kept is not None:
+            kept.execution.abort(reason)
+
+    def abort_all(self, reason: Abort) -> None:
+        with self._lock:
+            kept = list(self._kept.values())
+        for item in kept:
+            item.execution.abort(reason)
+
+    def busy(self) -> bool:
+        with self._lock:
+            return bool(self._kept)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        interval = min(0.1, self._ttl / 10)
+        while not self._stop.wait(interval):
+            now = time.monotonic()
+            with self._lock:
+                kept = list(self._kept.values())
+            for item in kept:
+                if item.deadline is not None and now >= item.deadline:
+                    item.execution.abort(Abort.TIMEOUT)
+                if now >= item.next_renewal:
+                    item.next_renewal = now + self._ttl / 3
+                    self._renew(item.execution)
+
+    def _renew(self, execution: Execution) -> None:
+        cancel: bool | None = None
+        try:
+            if self._leases.renew(execution.run_id, self._owner, self._ttl):
+                cancel = self._store.renew_claim(execution.run_id, execution.epoch, self.expiry())
+        except Exception as exc:
+            self._report(exc)
+        if cancel is None:
+            execution.abort(Abort.LEASE_LOST)
+        elif cancel:
+            execution.abort(Abort.CANCEL)

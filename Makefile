@@ -24,8 +24,8 @@ test: setup services
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 lint: setup
-	$(BIN)/ruff check agentruns workers tests bench
-	$(BIN)/ruff format --check agentruns workers tests bench
+	$(BIN)/ruff check agentruns workers tests bench celeryconfig.py
+	$(BIN)/ruff format --check agentruns workers tests bench celeryconfig.py
 	$(BIN)/mypy --strict agentruns
 
 format: setup

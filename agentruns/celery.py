@@ -1,10 +1,12 @@
 """The Celery app (``celery -A agentruns worker``) and the one engine each worker process runs.
 
-Configuration comes from the top-level ``celeryconfig`` module when it can be
-imported (the repository's, or a deployment's own) and otherwise from the same
-values built in here. The engine is built from ``AGENTRUNS_*`` settings the
-first time a task needs it, once per process: a prefork child builds its own
-after the fork, so no database or Redis connection crosses a fork.
+Configuration is :func:`defaults` (from ``AGENTRUNS_*``), then the top-level
+``celeryconfig`` module when it can be imported (the repository's, or a
+deployment's own), which starts from the same defaults and may override them.
+
+The engine is built from ``AGENTRUNS_*`` settings the first time a task needs
+it, once per process: a prefork child builds its own after the fork, so no
+database or Redis connection crosses a fork.
 """
 
 from __future__ import annotations
@@ -34,25 +36,52 @@ DRAIN_TIMEOUT_S = 10.0
 _DRAIN_SIGNAL = signal.SIGUSR2
 
 
-def _builtin_config() -> dict[str, Any]:
-    """The settings of ``celeryconfig.py`` (see the reasons there), for an installed package."""
+def defaults() -> dict[str, Any]:
+    """agentruns' Celery settings, from ``AGENTRUNS_*``; ``celeryconfig.py`` starts from these.
+
+    Every message is an at-least-once nudge: the run's claim (a Redis lease plus
+    an epoch in Postgres) decides who executes it, so a duplicate, a redelivery
+    or a lost message is harmless. These settings lean on that: they prefer
+    delivering a message twice to losing it, and they never hold a run inside
+    the broker (no ETA or countdown), because ``recover`` finds anything a lost
+    message leaves behind.
+    """
     s = get_settings()
+    # Redis redelivers a message nobody acked within the visibility timeout. A
+    # redelivery is harmless (the claim decides), but a task should never outlive
+    # it in normal operation, so the hard time limit sits below it.
     visibility_timeout = 3600
     return {
+        # The broker is the Redis that holds the leases unless AGENTRUNS_BROKER_URL says otherwise.
         "broker_url": s.effective_broker_url or "redis://localhost:6379/0",
+        # A worker that starts before Redis keeps trying instead of exiting.
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {"visibility_timeout": visibility_timeout},
+        # The hard limit only backstops a hung prefork child (the threads pool cannot
+        # enforce limits): it kills the process, the lease expires and ``recover``
+        # resumes the run. No soft limit: it would raise inside the engine at an
+        # arbitrary point and fail the run; ``Budget.timeout_s`` settles cleanly.
         "task_time_limit": visibility_timeout - 600,
+        # Ack after the task returns, and give a message back if the worker process
+        # dies mid-task: a crash becomes a redelivery (a nudge), never a lost run.
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
+        # One message per free pool slot: a worker never sits on messages others could run.
         "worker_prefetch_multiplier": 1,
+        # When the broker connection drops, unacked messages go back to the queue;
+        # cancel the tasks they started rather than let them finish beside their copies.
         "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # Results live in the database (runs and steps), not in a result backend.
         "task_ignore_result": True,
+        # Several deployments (or test sessions) can share one Redis.
         "task_default_queue": s.queue,
         "task_serializer": "json",
         "accept_content": ["json"],
+        # Flower (and `celery events`) see every task from the moment it is sent.
         "worker_send_task_events": True,
         "task_send_sent_event": True,
+        # Sweeps, safe when two beats run. `expires` drops a sweep no worker picked
+        # up before the next one was due, so a backlog never piles up.
         "beat_schedule": {
             "agentruns.tick": {
                 "task": "agentruns.tick",
@@ -76,7 +105,7 @@ def _has_celeryconfig() -> bool:
 
 app = Celery("agentruns", include=["agentruns.tasks"])
 # Both are read lazily, when the configuration is first needed, not on import.
-app.add_defaults(_builtin_config)
+app.add_defaults(defaults)
 if _has_celeryconfig():
     app.config_from_object("celeryconfig")
 

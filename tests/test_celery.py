@@ -448,8 +448,8 @@ def test_prefork_children_have_their_own_engines_and_drain_on_sigterm(
 
 def test_celeryconfig_matches_the_builtin_defaults() -> None:
     """An installed package without celeryconfig.py gets the same settings."""
-    from agentruns.celery import _builtin_config
+    from agentruns.celery import defaults
 
     settings = runpy.run_path(str(ROOT / "celeryconfig.py"))  # read now, like the defaults
-    for key, value in _builtin_config().items():
+    for key, value in defaults().items():
         assert settings[key] == value, key

@@ -22,6 +22,7 @@ from typing import Any
 
 from agentruns import Agent, Engine, RedisLeases, SqlStore
 from agentruns.models.base import Model, ModelRequest, ModelResponse
+from agentruns.schedulers import ManualScheduler
 from bench import workload
 from bench.probes import Counter, commit_latency_ms
 from bench.report import Figure, median, spread
@@ -102,7 +103,7 @@ def _engine(
     return Engine(
         SqlStore(url, **db),
         leases=RedisLeases(REDIS_URL, prefix=prefix),
-        scheduler=workload.RecordingScheduler(),
+        scheduler=ManualScheduler(),
         agents=agents,
         secret="bench",
         on_error=errors.append,

@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from agentruns import Engine, RedisLeases, SqlStore
+from agentruns.schedulers import ManualScheduler
 from bench import workload
 from bench.probes import Counter, commit_latency_ms
 from bench.services import REDIS_URL, fresh_database, redis_prefix
@@ -43,7 +44,7 @@ def main() -> None:
         engine = Engine(
             SqlStore(url, **(options if args.async_commit else {})),
             leases=leases,
-            scheduler=workload.RecordingScheduler(),
+            scheduler=ManualScheduler(),
             agents=[agent],
             secret="bench",
         )

@@ -13,6 +13,7 @@ from typing import Any
 import psycopg
 
 from agentruns import Engine, RedisLeases, SqlStore
+from agentruns.schedulers import ManualScheduler
 from bench import workload
 from bench.report import Figure
 from bench.services import REDIS_URL, fresh_database, plain, redis_prefix
@@ -69,7 +70,7 @@ def measure(repeat: int, quick: bool) -> list[Figure]:
         engine = Engine(
             SqlStore(url),
             leases=RedisLeases(REDIS_URL, prefix=prefix),
-            scheduler=workload.RecordingScheduler(),
+            scheduler=ManualScheduler(),
             agents=[agent],
             secret="bench",
             on_error=errors.append,

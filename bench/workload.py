@@ -40,25 +40,6 @@ def trigger(n: int) -> dict[str, Any]:
     return {"source": "bench", "trigger": "bench", "payload": {"n": n}}
 
 
-class RecordingScheduler:
-    """Only records: the benchmark calls ``engine.execute`` itself, in its own thread."""
-
-    def __init__(self) -> None:
-        self.scheduled: list[str] = []
-
-    def bind(self, execute: Any, slots: int) -> None:
-        pass
-
-    def schedule(self, run_id: str) -> None:
-        self.scheduled.append(run_id)
-
-    def outstanding(self) -> int:
-        return 0
-
-    def close(self) -> None:
-        pass
-
-
 def check_completed(engine: Engine, run_id: str, steps: int) -> None:
     """A benchmark of a run that did not do the whole workload measures nothing."""
     run = engine.get_run(run_id)

@@ -18,6 +18,7 @@ from agentruns import Agent, RunStatus, Usage, tool
 from agentruns.engine import Engine
 from agentruns.models.anthropic import AnthropicModel
 from agentruns.runs import Run
+from agentruns.schedulers import ManualScheduler
 from agentruns.transcript import validate
 from tests.conftest import EngineFactory, Errors, trigger
 from tests.fake_anthropic import (
@@ -30,7 +31,6 @@ from tests.fake_anthropic import (
     tool_use,
     usage,
 )
-from tests.support.schedulers import ManualScheduler
 
 EPHEMERAL = {"type": "ephemeral"}
 INSTRUCTIONS = "You triage bug reports."

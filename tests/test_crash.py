@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 
 from agentruns import Engine, RunStatus
+from agentruns.schedulers import ManualScheduler
 from tests.conftest import EngineFactory, trigger
 from tests.support.agents import AGENTS, STEPS, steps_agent
-from tests.support.schedulers import ManualScheduler
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,8 +24,8 @@ from agentruns import (
     tool,
 )
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.schedulers import ManualScheduler
 from tests.conftest import EngineFactory, Errors, trigger
-from tests.support.schedulers import ManualScheduler
 
 
 @tool

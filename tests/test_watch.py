@@ -11,10 +11,10 @@ from pathlib import Path
 
 from agentruns import Agent, RedisLeases, RunStatus
 from agentruns.models import ScriptedModel, text
+from agentruns.schedulers import ManualScheduler
 from agentruns.settings import Settings
 from agentruns.wiring import engine_from_settings
 from tests.conftest import REDIS_URL, trigger
-from tests.support.schedulers import ManualScheduler
 
 ROOT = Path(__file__).resolve().parent.parent
 

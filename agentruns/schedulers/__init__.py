@@ -3,5 +3,6 @@
 from agentruns.schedulers.base import Scheduler
 from agentruns.schedulers.celery import CeleryScheduler
 from agentruns.schedulers.local import LocalScheduler
+from agentruns.schedulers.manual import ManualScheduler
 
-__all__ = ["CeleryScheduler", "LocalScheduler", "Scheduler"]
+__all__ = ["CeleryScheduler", "LocalScheduler", "ManualScheduler", "Scheduler"]

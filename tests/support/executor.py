@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 
 from agentruns import Engine, RedisLeases, SqlStore
+from agentruns.schedulers import ManualScheduler
 from tests.conftest import REDIS_URL
 from tests.support.agents import AGENTS, log
-from tests.support.schedulers import ManualScheduler
 
 
 def main() -> None:

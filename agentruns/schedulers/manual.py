@@ -1,4 +1,8 @@
-"""A scheduler that only records: the test decides when and where executions happen."""
+"""ManualScheduler: only records what was scheduled; the caller runs ``engine.execute`` itself.
+
+The in-process double of the scheduler protocol, for tests and benchmarks that
+decide when and where executions happen (a helper process, a timed loop).
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +13,11 @@ from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
 
 from agentruns.errors import LeaseLostError, NotMigratedError, RunNotFoundError
 from agentruns.runs import (
-    Budget,
     Checkpoint,
-    Claim,
     Run,
-    RunError,
     RunStatus,
     Step,
-    TriggerEnvelope,
     Usage,
-    WaitPoint,
     utcnow,
 )
 from agentruns.store import schema
@@ -39,6 +34,7 @@ from agentruns.store.base import (
 )
 from agentruns.store.connect import dumps as _dumps
 from agentruns.store.connect import make_engine
+from agentruns.store.rows import aware, new_steps, run_from_row, run_updated, step_from_row
 
 R = schema.runs
 S = schema.steps
@@ -68,108 +64,6 @@ _WRITE_RETURNS = (
 _COMMIT_SQL = (
     (Path(__file__).parent / "commit.sql").read_text().format(returns=", ".join(_WRITE_RETURNS))
 )
-
-
-def _aware(value: datetime | None) -> datetime | None:
-    # SQLite hands back naive datetimes; everything we store is UTC.
-    if value is not None and value.tzinfo is None:
-        return value.replace(tzinfo=UTC)
-    return value
-
-
-def _run_from_row(row: RowMapping | dict[str, Any]) -> Run:
-    claim = None
-    if row["claim_owner"] is not None and row["claim_expires_at"] is not None:
-        claim = Claim(owner=row["claim_owner"], expires_at=_aware(row["claim_expires_at"]))
-    return Run(
-        id=row["id"],
-        agent=row["agent"],
-        status=RunStatus(row["status"]),
-        trigger=TriggerEnvelope.model_validate(row["trigger"]),
-        idempotency_key=row["idempotency_key"],
-        concurrency_key=row["concurrency_key"],
-        thread=row["thread"],
-        output=row["output"],
-        error=RunError.model_validate(row["error"]) if row["error"] else None,
-        usage=Usage(
-            input_tokens=row["input_tokens"],
-            output_tokens=row["output_tokens"],
-            cache_creation_input_tokens=row["cache_creation_input_tokens"],
-            cache_read_input_tokens=row["cache_read_input_tokens"],
-        ),
-        steps_used=row["steps_used"],
-        waiting=WaitPoint.model_validate(row["waiting"]) if row["waiting"] else None,
-        claim=claim,
-        cancel_requested=row["cancel_requested"],
-        budget=Budget.model_validate(row["budget"]) if row["budget"] else None,
-        created_at=_aware(row["created_at"]),
-        updated_at=_aware(row["updated_at"]),
-        started_at=_aware(row["started_at"]),
-        finished_at=_aware(row["finished_at"]),
-    )
-
-
-def _updated(base: Run, row: dict[str, Any]) -> Run:
-    """``base`` with the columns a write returned (no re-validation of the rest)."""
-    claim = None
-    if row["claim_owner"] is not None and row["claim_expires_at"] is not None:
-        claim = Claim(owner=row["claim_owner"], expires_at=row["claim_expires_at"])
-    usage = base.usage
-    if (row["input_tokens"], row["output_tokens"]) != (usage.input_tokens, usage.output_tokens):
-        usage = Usage(
-            input_tokens=row["input_tokens"],
-            output_tokens=row["output_tokens"],
-            cache_creation_input_tokens=row["cache_creation_input_tokens"],
-            cache_read_input_tokens=row["cache_read_input_tokens"],
-        )
-    waiting = row["waiting"]
-    return base.model_copy(
-        update={
-            "status": RunStatus(row["status"]),
-            "output": row["output"],
-            "error": RunError.model_validate(row["error"]) if row["error"] else None,
-            "usage": usage,
-            "steps_used": row["steps_used"],
-            "waiting": WaitPoint.model_validate(waiting) if waiting else None,
-            "claim": claim,
-            "cancel_requested": row["cancel_requested"],
-            "updated_at": row["updated_at"],
-            "started_at": row["started_at"],
-            "finished_at": row["finished_at"],
-        }
-    )
-
-
-def _new_steps(row: RowMapping | dict[str, Any], run_id: str, commit: Commit) -> list[Step]:
-    first = row["step_count"] - len(commit.steps)
-    return [
-        Step(
-            run_id=run_id,
-            index=first + i,
-            kind=s.kind,
-            name=s.name,
-            input=s.input,
-            output=s.output,
-            error=s.error,
-            started_at=s.started_at,
-            finished_at=s.finished_at,
-        )
-        for i, s in enumerate(commit.steps)
-    ]
-
-
-def _step_from_row(run_id: str, row: RowMapping) -> Step:
-    return Step(
-        run_id=run_id,
-        index=row["idx"],
-        kind=row["kind"],
-        name=row["name"],
-        input=row["input"],
-        output=row["output"],
-        error=row["error"],
-        started_at=_aware(row["started_at"]),
-        finished_at=_aware(row["finished_at"]),
-    )
 
 
 class SqlStore:
@@ -241,13 +135,13 @@ class SqlStore:
         with self.engine.begin() as conn:
             row = conn.execute(insert.returning(*R.c)).mappings().first()
             if row is not None:
-                return _run_from_row(row), True
+                return run_from_row(row), True
             existing = (
                 conn.execute(sa.select(R).where(R.c.idempotency_key == new.idempotency_key))
                 .mappings()
                 .one()
             )
-            return _run_from_row(existing), False
+            return run_from_row(existing), False
 
     def _insert(self, table: sa.Table) -> Any:
         if self.engine.dialect.name == "postgresql":
@@ -263,7 +157,7 @@ class SqlStore:
             row = conn.execute(sa.select(R).where(R.c.id == run_id)).mappings().first()
         if row is None:
             raise RunNotFoundError(run_id)
-        return _run_from_row(row)
+        return run_from_row(row)
 
     def list_runs(
         self, status: RunStatus | None = None, agent: str | None = None, limit: int = 100
@@ -274,13 +168,13 @@ class SqlStore:
         if agent is not None:
             query = query.where(R.c.agent == agent)
         with self.engine.connect() as conn:
-            return [_run_from_row(r) for r in conn.execute(query).mappings()]
+            return [run_from_row(r) for r in conn.execute(query).mappings()]
 
     def steps(self, run_id: str) -> list[Step]:
         with self.engine.connect() as conn:
             key = self._require(conn, run_id)["key"]
             rows = conn.execute(sa.select(S).where(S.c.run_key == key).order_by(S.c.idx))
-            return [_step_from_row(run_id, r) for r in rows.mappings()]
+            return [step_from_row(run_id, r) for r in rows.mappings()]
 
     def _require(self, conn: Connection, run_id: str) -> RowMapping:
         row = conn.execute(sa.select(R).where(R.c.id == run_id)).mappings().first()
@@ -305,7 +199,7 @@ class SqlStore:
                 messages=self._messages(conn, row["key"], row["checkpoint_messages"]),
                 finish_reason=row["checkpoint_reason"],
                 state=row["state"],
-                created_at=_aware(row["checkpoint_at"]),
+                created_at=aware(row["checkpoint_at"]),
             )
 
     def transcript(self, run_id: str) -> Transcript:
@@ -381,7 +275,7 @@ class SqlStore:
             return None  # another run of the same concurrency key is running
         if row is None:
             return None
-        return Claimed(run=_run_from_row(row), epoch=row["epoch"])
+        return Claimed(run=run_from_row(row), epoch=row["epoch"])
 
     def renew_claim(self, run_id: str, epoch: int, expires_at: datetime) -> bool | None:
         """Extend the claim; None if this epoch lost the run, else its ``cancel_requested``."""
@@ -411,7 +305,7 @@ class SqlStore:
                 if guard.status == RunStatus.RUNNING:
                     raise LeaseLostError(run.id)
                 return None
-            return Committed(run=_updated(run, row), steps=_new_steps(row, run.id, commit))
+            return Committed(run=run_updated(run, row), steps=new_steps(row, run.id, commit))
         return self._commit_transaction(run.id, guard, commit, now)
 
     def _commit_statement(
@@ -552,7 +446,7 @@ class SqlStore:
                 if guard.status == RunStatus.RUNNING:
                     raise LeaseLostError(run_id)
                 return None
-            steps = _new_steps(row, run_id, commit)
+            steps = new_steps(row, run_id, commit)
             first_msg = row["message_count"] - n_msgs
             key = row["key"]
             if steps:
@@ -581,7 +475,7 @@ class SqlStore:
                         for i, m in enumerate(commit.messages)
                     ],
                 )
-        return Committed(run=_run_from_row(row), steps=steps)
+        return Committed(run=run_from_row(row), steps=steps)
 
     def request_cancel(self, run_id: str) -> Run:
         """Cancel a queued, waiting or interrupted run at once; flag a running one."""
@@ -619,7 +513,7 @@ class SqlStore:
                 )
             if row is None:
                 row = self._require(conn, run_id)
-            return _run_from_row(row)
+            return run_from_row(row)
 
     # -- effect records --------------------------------------------------------
 
@@ -695,8 +589,8 @@ class SqlStore:
                     id=r.id,
                     status=RunStatus(r.status),
                     epoch=r.epoch,
-                    updated_at=_aware(r.updated_at) or utcnow(),
-                    claim_expires_at=_aware(r.claim_expires_at),
+                    updated_at=aware(r.updated_at) or utcnow(),
+                    claim_expires_at=aware(r.claim_expires_at),
                 )
                 for r in conn.execute(query)
             ]
@@ -735,7 +629,7 @@ class SqlStore:
             rows = conn.execute(
                 sa.select(R).where(R.c.status == RunStatus.WAITING.value).order_by(R.c.created_at)
             ).mappings()
-            return [_run_from_row(r) for r in rows]
+            return [run_from_row(r) for r in rows]
 
     def mark_notified(self, run_id: str, token_id: str, at: datetime) -> Run | None:
         run = self.get_run(run_id)

@@ -1,8 +1,8 @@
 """Engine events over Redis pub/sub, so `agentruns watch` anywhere sees them live.
 
 Publishing happens on a background thread: an execution only enqueues, so the
-hot path gains no Redis round trip. Delivery is best effort; a watcher also
-polls the store, which stays the truth.
+hot path gains no Redis round trip, and nothing at all while nobody watches.
+Delivery is best effort; a watcher also polls the store, which stays the truth.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import Iterator
 
 import redis
@@ -35,21 +36,34 @@ def summary(event: Event) -> dict[str, object]:
 class EventPublisher:
     """An engine listener (``engine.on(..., publisher)``) that publishes event summaries."""
 
+    # How often the publisher asks Redis whether anyone is subscribed.
+    LOOK_EVERY_S = 0.25
+
     def __init__(self, url: str, *, prefix: str = "agentruns", maxsize: int = 10_000) -> None:
         self._client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
         self._channel = channel(prefix)
         self._queue: queue.Queue[dict[str, object] | None] = queue.Queue(maxsize)
+        self._listening = False
         self._thread = threading.Thread(target=self._run, name="agentruns-events", daemon=True)
         self._thread.start()
 
     def __call__(self, event: Event) -> None:
-        # When full, watchers fall back to polling; a run is never slowed down for them.
-        with contextlib.suppress(queue.Full):
-            self._queue.put_nowait(summary(event))
+        # With nobody watching, an event costs nothing; when the queue is full,
+        # watchers fall back to polling: a run is never slowed down for them.
+        if self._listening:
+            with contextlib.suppress(queue.Full):
+                self._queue.put_nowait(summary(event))
 
     def _run(self) -> None:
+        next_look = 0.0
         while True:
-            item = self._queue.get()
+            if time.monotonic() >= next_look:
+                self._listening = self._anyone_listening()
+                next_look = time.monotonic() + self.LOOK_EVERY_S
+            try:
+                item = self._queue.get(timeout=self.LOOK_EVERY_S)
+            except queue.Empty:
+                continue
             if item is None:
                 return
             batch = [item]
@@ -60,6 +74,13 @@ class EventPublisher:
                     return
                 batch.append(nxt)
             self._publish(batch)
+
+    def _anyone_listening(self) -> bool:
+        try:
+            counts = self._client.pubsub_numsub(self._channel)
+        except redis.RedisError:
+            return False
+        return any(int(n) > 0 for _, n in counts)
 
     def _publish(self, batch: list[dict[str, object]]) -> None:
         try:

@@ -58,7 +58,7 @@ def test_watch_wakes_on_published_events_instead_of_waiting_for_its_poll(
         assert watcher.stdout is not None
         first = json.loads(watcher.stdout.readline())
         assert first["event"] == "run.updated" and first["run"]["status"] == "queued"
-        time.sleep(0.5)  # let it subscribe
+        time.sleep(1.0)  # let it subscribe, and the publisher see it
         started = time.monotonic()
         assert engine.execute(run.id).status is RunStatus.COMPLETED
         out, _ = watcher.communicate(timeout=15)

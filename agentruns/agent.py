@@ -6,16 +6,13 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import BaseModel
 
 from agentruns.models.base import Model
 from agentruns.runs import Budget, Run, TriggerEnvelope, WaitPoint
 from agentruns.tools import Tool, as_tool
-
-if TYPE_CHECKING:
-    pass
 
 ToolLike = Tool | Callable[..., Any]
 Notifier = Callable[[Run, WaitPoint, str], None]

@@ -555,3 +555,15 @@ def _message(planned: Reply, request: RecordedRequest, fake: FakeAnthropic, n: i
 
 def _chunks(value: str, size: int = 7) -> list[str]:
     return [value[i : i + size] for i in range(0, len(value), size)] or []
+
+
+def make_model(fake: FakeAnthropic, **kwargs: Any) -> Any:
+    """An AnthropicModel on the real SDK pointed at ``fake``, with test-sized backoff.
+
+    ``fake.client()`` keeps the SDK's default max_retries=2: the model must switch it off.
+    """
+    from agentruns.models import AnthropicModel
+
+    kwargs.setdefault("retry_base_s", 0.001)
+    kwargs.setdefault("retry_cap_s", 0.01)
+    return AnthropicModel("claude-test", client=fake.client(), **kwargs)

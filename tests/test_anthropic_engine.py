@@ -16,7 +16,6 @@ import pytest
 
 from agentruns import Agent, RunStatus, Usage, tool
 from agentruns.engine import Engine
-from agentruns.models.anthropic import AnthropicModel
 from agentruns.runs import Run
 from agentruns.schedulers import ManualScheduler
 from agentruns.transcript import validate
@@ -25,6 +24,7 @@ from tests.fake_anthropic import (
     FakeAnthropic,
     RecordedRequest,
     error,
+    make_model,
     reply,
     slow,
     text,
@@ -52,13 +52,6 @@ def label_issue(issue: int, labels: list[str]) -> dict[str, Any]:
 def fake() -> Iterator[FakeAnthropic]:
     with FakeAnthropic() as server:
         yield server
-
-
-def make_model(fake: FakeAnthropic, **kwargs: Any) -> AnthropicModel:
-    kwargs.setdefault("retry_base_s", 0.001)
-    kwargs.setdefault("retry_cap_s", 0.01)
-    # fake.client() keeps the SDK's default max_retries=2: the model must switch it off.
-    return AnthropicModel("claude-test", client=fake.client(), **kwargs)
 
 
 def triage_agent(fake: FakeAnthropic, **kwargs: Any) -> Agent:

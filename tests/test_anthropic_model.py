@@ -23,6 +23,7 @@ from tests.fake_anthropic import (
     FakeAnthropic,
     dropped,
     error,
+    make_model,
     reply,
     slow,
     text,
@@ -47,13 +48,6 @@ SEARCH = ToolSpec(
 def fake() -> Iterator[FakeAnthropic]:
     with FakeAnthropic() as server:
         yield server
-
-
-def make_model(fake: FakeAnthropic, **kwargs: Any) -> AnthropicModel:
-    kwargs.setdefault("retry_base_s", 0.001)
-    kwargs.setdefault("retry_cap_s", 0.01)
-    # The SDK client keeps its default max_retries=2: the model must switch it off.
-    return AnthropicModel("claude-test", client=fake.client(), **kwargs)
 
 
 def request(

@@ -9,7 +9,6 @@ import sys
 import textwrap
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -23,14 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
-def prefix() -> Iterator[str]:
-    prefix = f"agentruns-test-{uuid.uuid4().hex}"
-    yield prefix
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = list(client.scan_iter(f"{prefix}:*"))
-    if keys:
-        client.delete(*keys)
-    client.close()
+def prefix(redis_prefix: str) -> str:
+    return redis_prefix
 
 
 @pytest.fixture(params=["redis", "local"])

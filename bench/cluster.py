@@ -1,4 +1,4 @@
-"""Real ``celery -A agentruns`` worker and beat processes for figures 4 and 5.
+"""Real ``celery -A agentruns`` worker and beat processes: figures 4 and 5, and the Celery tests.
 
 Workers and beat get ``AGENTRUNS_*`` settings pointing at the benchmark's own
 database and at a queue of its own (``AGENTRUNS_QUEUE``), and import the
@@ -68,23 +68,32 @@ class Proc:
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-class Cluster:
-    """Celery processes on one queue; ``stop()`` ends every one of them."""
+def bench_env(database_url: str, queue: str, **settings: str) -> dict[str, str]:
+    """The environment of the benchmark's workers: its database, queue and agents."""
+    return {
+        **os.environ,
+        "AGENTRUNS_DATABASE_URL": database_url,
+        "AGENTRUNS_REDIS_URL": REDIS_URL,
+        "AGENTRUNS_BROKER_URL": REDIS_URL,
+        "AGENTRUNS_QUEUE": queue,
+        "AGENTRUNS_AGENTS": "bench.agents",
+        "AGENTRUNS_SECRET": SECRET,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        **{f"AGENTRUNS_{k.upper()}": v for k, v in settings.items()},
+    }
 
-    def __init__(self, database_url: str, queue: str, logdir: Path, **settings: str) -> None:
+
+class Cluster:
+    """Celery processes on one queue, for the benchmarks and the Celery tests alike.
+
+    ``env`` is every process's environment (``AGENTRUNS_*`` included); each
+    process logs to ``logdir``; ``stop()`` ends every one of them.
+    """
+
+    def __init__(self, env: dict[str, str], queue: str, logdir: Path) -> None:
         self.queue = queue
         self.logdir = logdir
-        self.env = {
-            **os.environ,
-            "AGENTRUNS_DATABASE_URL": database_url,
-            "AGENTRUNS_REDIS_URL": REDIS_URL,
-            "AGENTRUNS_BROKER_URL": REDIS_URL,
-            "AGENTRUNS_QUEUE": queue,
-            "AGENTRUNS_AGENTS": "bench.agents",
-            "AGENTRUNS_SECRET": SECRET,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            **{f"AGENTRUNS_{k.upper()}": v for k, v in settings.items()},
-        }
+        self.env = env
         self.procs: list[Proc] = []
 
     def _start(self, name: str, args: list[str]) -> Proc:
@@ -101,19 +110,20 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def workers(self, *names: str, concurrency: int) -> list[Proc]:
-        """Start threads-pool workers and wait until each one consumes."""
+    def workers(self, *names: str, pool: str = "threads", concurrency: int = 8) -> list[Proc]:
+        """Start workers and wait until each one consumes."""
         procs = [
             self._start(
                 name,
                 [
                     "worker",
                     "-P",
-                    "threads",
+                    pool,
                     "-c",
                     str(concurrency),
                     "-n",
                     f"{name}-{self.queue}@%h",
+                    # Start without waiting on other workers' replies.
                     "--without-mingle",
                     "--without-gossip",
                     "--without-heartbeat",
@@ -149,10 +159,11 @@ class Cluster:
                 return proc
         raise RuntimeError(f"pid {pid} is none of this cluster's processes")
 
-    def stop(self) -> None:
+    def stop(self, *, graceful: bool = True) -> None:
+        """Warm shutdown (SIGTERM: workers drain), or SIGKILL when not ``graceful``."""
         for proc in self.procs:
             if proc.alive():
-                proc.popen.send_signal(signal.SIGTERM)  # warm shutdown: drains
+                proc.popen.send_signal(signal.SIGTERM if graceful else signal.SIGKILL)
         deadline = time.monotonic() + 15
         for proc in self.procs:
             try:
@@ -171,7 +182,7 @@ class Cluster:
 @contextlib.contextmanager
 def cluster(database_url: str, queue: str, **settings: str) -> Iterator[Cluster]:
     with tempfile.TemporaryDirectory(prefix="agentruns-bench-") as logdir:
-        group = Cluster(database_url, queue, Path(logdir), **settings)
+        group = Cluster(bench_env(database_url, queue, **settings), queue, Path(logdir))
         try:
             yield group
         finally:
@@ -185,10 +196,11 @@ def celery_queue() -> Iterator[str]:
     try:
         yield name
     finally:
-        _forget_queue(name)
+        forget_queue(name)
 
 
-def _forget_queue(name: str) -> None:
+def forget_queue(name: str) -> None:
+    """Remove a queue's keys, and its messages a killed worker left unacked."""
     client = redis.Redis.from_url(REDIS_URL)
     try:
         keys = [*client.scan_iter(f"{name}*"), f"_kombu.binding.{name}"]

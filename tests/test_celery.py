@@ -8,17 +8,13 @@ an engine with a ``CeleryScheduler`` that calls ``recover()`` itself.
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import runpy
 import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -28,12 +24,13 @@ import redis
 
 from agentruns import CeleryScheduler, Engine, RedisLeases, Run, RunStatus
 from agentruns.settings import get_settings
+from bench.cluster import Cluster as BaseCluster
+from bench.cluster import Proc, forget_queue
 from tests.conftest import REDIS_URL, EngineFactory, trigger
 from tests.support import celery_agents
 from tests.support.celery_agents import CHARGE_SCRIPT, QUICK_SCRIPT
 
 ROOT = Path(__file__).resolve().parents[1]
-CELERY = str(Path(sys.executable).parent / "celery")
 LEASE_TTL = 1.0
 REQUEUE_AFTER = 2.0
 T = TypeVar("T")
@@ -58,20 +55,7 @@ def queue() -> Iterator[str]:
     """A queue of this session's own; its keys (and messages left unacked) go at the end."""
     name = f"agentruns-test-{uuid.uuid4().hex[:10]}"
     yield name
-    client = redis.Redis.from_url(REDIS_URL)
-    keys = [*client.scan_iter(f"{name}*"), f"_kombu.binding.{name}"]
-    client.delete(*keys)
-    # A killed worker's message waits in kombu's shared `unacked` hash for the
-    # visibility timeout, then would be restored to our queue: take ours out now.
-    for tag, raw in client.hscan_iter("unacked"):
-        try:
-            _, exchange, routing_key = json.loads(raw)
-        except (ValueError, TypeError):
-            continue
-        if name in (exchange, routing_key):
-            client.hdel("unacked", tag)
-            client.zrem("unacked_index", tag)
-    client.close()
+    forget_queue(name)
 
 
 @pytest.fixture(scope="session")
@@ -102,88 +86,27 @@ def celery_app(queue: str) -> Iterator[Any]:
 # -- worker and beat processes -----------------------------------------------------------
 
 
-@dataclass
-class Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-
-    @property
-    def pid(self) -> int:
-        return self.popen.pid
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace") if self.log.exists() else ""
-
-
-class Cluster:
-    """Celery processes for one test; every one is killed at the end, pass or fail."""
+class Cluster(BaseCluster):
+    """The workers (and beat) of one test; every one is killed at the end, pass or fail."""
 
     def __init__(self, tmp_path: Path, env: dict[str, str], queue: str) -> None:
-        self.tmp_path = tmp_path
-        self.env = env
-        self.queue = queue
-        self.procs: list[Proc] = []
+        super().__init__(env, queue, tmp_path)
         self.tool_log = Path(env["AGENTRUNS_TEST_LOG"])
-
-    def _start(self, name: str, args: list[str]) -> Proc:
-        log = self.tmp_path / f"{name}.log"
-        with open(log, "wb") as out:
-            popen = subprocess.Popen(
-                [CELERY, "-A", "agentruns", *args],
-                cwd=ROOT,
-                env=self.env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-        proc = Proc(name, popen, log)
-        self.procs.append(proc)
-        return proc
 
     def workers(
         self, *names: str, beat: bool = False, pool: str = "threads", concurrency: int = 8
     ) -> list[Proc]:
-        """Start workers (and beat) together; return once every worker consumes."""
-        procs = [
-            self._start(
-                name,
-                [
-                    "worker",
-                    "-P",
-                    pool,
-                    "-c",
-                    str(concurrency),
-                    "-n",
-                    f"{name}-{self.queue}@%h",
-                    # Startup without waiting on other workers' replies.
-                    "--without-mingle",
-                    "--without-gossip",
-                    "--without-heartbeat",
-                    "-l",
-                    "INFO",
-                ],
-            )
-            for name in names
-        ]
-        waits = [(proc, " ready.") for proc in procs]
+        """Start workers (and beat); return once every one has started."""
+        procs = super().workers(*names, pool=pool, concurrency=concurrency)
         if beat:
-            schedule = self.tmp_path / "beat-schedule"
-            proc = self._start("beat", ["beat", "-s", str(schedule), "-l", "INFO"])
-            waits.append((proc, "beat: Starting"))
-        for proc, line in waits:
-            wait_for(partial(self._printed, proc, line), f"{proc.name} to start")
+            self.beat()
         return procs
-
-    def _printed(self, proc: Proc, line: str) -> bool:
-        if proc.popen.poll() is not None:
-            raise AssertionError(f"{proc.name} exited:\n{proc.output()}")
-        return line in proc.output()
 
     def holder(self, run_id: str, leases: RedisLeases) -> Proc:
         """The worker whose engine holds the run's lease (owner is ``host:pid:random``)."""
         owner = wait_for(lambda: leases.holder(run_id), f"a lease on {run_id}")
         pid = int(owner.split(":")[-2])
-        return next(p for p in self.procs if p.pid == pid)
+        return self.by_pid(pid)
 
     def tool_calls(self, tool: str, run_id: str | None = None) -> list[int]:
         """The pids of the processes that called ``tool`` (for ``run_id``), in order."""
@@ -195,13 +118,6 @@ class Cluster:
             if name == tool and run_id in (None, run):
                 calls.append(int(pid))
         return calls
-
-    def stop(self) -> None:
-        for proc in self.procs:
-            if proc.popen.poll() is None:
-                proc.popen.kill()
-        for proc in self.procs:
-            proc.popen.wait(timeout=10)
 
 
 @pytest.fixture
@@ -225,7 +141,7 @@ def cluster(tmp_path: Path, db_url: str, queue: str, celery_app: Any) -> Iterato
     try:
         yield group
     finally:
-        group.stop()
+        group.stop(graceful=False)
         for proc in group.procs:  # shown by pytest when the test failed
             print(f"----- {proc.name} (pid {proc.pid}) -----\n{proc.output()[-6000:]}")
 

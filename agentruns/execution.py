@@ -161,7 +161,7 @@ class Execution:
                     f"{len(messages)} messages stored but the checkpoint holds "
                     f"{stored.checkpoint_messages}"
                 )
-        transcript.validate(messages, open_tail=True)
+        transcript.validate(messages)
         return messages, unsaved, dict(stored.pending or {}), self._initial_state(stored.state)
 
     def _initial_state(self, stored: dict[str, Any] | None) -> dict[str, Any]:

@@ -10,8 +10,9 @@ producer own anything beyond that.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from celery.exceptions import Reject
@@ -38,12 +39,18 @@ def _task(name: str) -> Callable[[F], Any]:
     return decorator
 
 
-def _retry_transient(task: Any, exc: Exception) -> None:
-    """Retry after a database or Redis outage; re-raise anything else."""
-    if get_engine().is_infrastructure_error(exc):
-        delay = min(_RETRY_BACKOFF_MAX_S, 2**task.request.retries)
-        raise task.retry(exc=exc, countdown=delay)
-    raise exc
+@contextlib.contextmanager
+def _retrying_outages(task: Any) -> Iterator[None]:
+    """Retry the task after a database or Redis outage; let anything else through."""
+    try:
+        yield
+    except _EXPECTED:
+        raise
+    except Exception as exc:
+        if get_engine().is_infrastructure_error(exc):
+            delay = min(_RETRY_BACKOFF_MAX_S, 2**task.request.retries)
+            raise task.retry(exc=exc, countdown=delay) from exc
+        raise
 
 
 def _summary(run: Run) -> dict[str, Any]:
@@ -73,7 +80,7 @@ def dispatch(
     if idempotency_key is None and not (isinstance(trigger, dict) and trigger.get("id")):
         idempotency_key = f"task:{self.request.id}"
     engine = get_engine()
-    try:
+    with _retrying_outages(self):
         run = engine.dispatch(
             agent,
             trigger,
@@ -87,11 +94,6 @@ def dispatch(
             run = engine.execute(run.id)
         if run.status is RunStatus.QUEUED:
             engine.scheduler.schedule(run.id)
-    except _EXPECTED:
-        raise
-    except Exception as exc:
-        _retry_transient(self, exc)
-        raise
     return run.id
 
 
@@ -110,26 +112,16 @@ def execute(self: Any, run_id: str) -> dict[str, Any]:
 @_task("agentruns.resume")
 def resume(self: Any, token: str, approved: bool, reason: str | None = None) -> dict[str, Any]:
     """Answer the approval a resume token stands for; the run is queued again."""
-    try:
+    with _retrying_outages(self):
         run = get_engine().resume(token, approved=approved, reason=reason)
-    except _EXPECTED:
-        raise
-    except Exception as exc:
-        _retry_transient(self, exc)
-        raise
     return _summary(run)
 
 
 @_task("agentruns.cancel")
 def cancel(self: Any, run_id: str) -> dict[str, Any]:
     """Cancel the run (a running one is aborted by whichever worker owns it)."""
-    try:
+    with _retrying_outages(self):
         run = get_engine().cancel(run_id)
-    except _EXPECTED:
-        raise
-    except Exception as exc:
-        _retry_transient(self, exc)
-        raise
     return _summary(run)
 
 

@@ -25,13 +25,13 @@ def text_of(message: Message) -> str:
     )
 
 
-def validate(messages: list[Message], *, open_tail: bool) -> None:
+def validate(messages: list[Message]) -> None:
     """Raise ``InvalidCheckpointError`` unless the transcript can be sent to the model.
 
     Roles alternate from a user message; every ``tool_use`` is answered by a
-    ``tool_result`` in the next message. With ``open_tail``, the last message
-    may be an assistant turn whose calls are still unanswered (the step in
-    progress, or a step paused on an approval).
+    ``tool_result`` in the next message. The last message may be an assistant
+    turn whose calls are still unanswered: the step in progress, or a step
+    paused on an approval.
     """
     if not messages:
         raise InvalidCheckpointError("the transcript is empty")
@@ -45,8 +45,6 @@ def validate(messages: list[Message], *, open_tail: bool) -> None:
             calls = tool_calls(message)
             if calls and i + 1 < len(messages):
                 check_answered(calls, messages[i + 1], i + 1)
-            elif calls and not open_tail:
-                raise InvalidCheckpointError(f"the tool calls of message {i} are unanswered")
         expected = "assistant" if expected == "user" else "user"
 
 

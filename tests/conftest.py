@@ -83,43 +83,41 @@ def errors() -> Errors:
 EngineFactory = Callable[..., Engine]
 
 
-@pytest.fixture
-def make_engine(db_url: str, redis_prefix: str, errors: Errors) -> Iterator[EngineFactory]:
-    """Engines on the real Postgres and Redis, closed at the end of the test."""
+def _engines(url: str, errors: Errors, **defaults: Callable[[], Any]) -> Iterator[EngineFactory]:
+    """Build engines on ``url``; each keyword not given is made by its default."""
     engines: list[Engine] = []
 
     def factory(agents: list[Any], **kwargs: Any) -> Engine:
-        kwargs.setdefault("leases", RedisLeases(REDIS_URL, prefix=redis_prefix))
+        for name, make in defaults.items():
+            if name not in kwargs:
+                kwargs[name] = make()
         kwargs.setdefault("scheduler", LocalScheduler())
         kwargs.setdefault("secret", "test-secret")
-        kwargs.setdefault("lease_ttl", 2.0)
         kwargs.setdefault("on_error", errors.append)
-        engine = Engine(SqlStore(db_url), agents=agents, **kwargs)
+        engine = Engine(SqlStore(url), agents=agents, **kwargs)
         engines.append(engine)
         return engine
 
     yield factory
     for engine in engines:
         engine.close()
+
+
+@pytest.fixture
+def make_engine(db_url: str, redis_prefix: str, errors: Errors) -> Iterator[EngineFactory]:
+    """Engines on the real Postgres and Redis, closed at the end of the test."""
+    yield from _engines(
+        db_url,
+        errors,
+        leases=lambda: RedisLeases(REDIS_URL, prefix=redis_prefix),
+        lease_ttl=lambda: 2.0,
+    )
 
 
 @pytest.fixture
 def make_sqlite_engine(sqlite_url: str, errors: Errors) -> Iterator[EngineFactory]:
     """The embedded default: SQLite, in-process leases and scheduler."""
-    engines: list[Engine] = []
-
-    def factory(agents: list[Any], **kwargs: Any) -> Engine:
-        kwargs.setdefault("leases", LocalLeases())
-        kwargs.setdefault("scheduler", LocalScheduler())
-        kwargs.setdefault("secret", "test-secret")
-        kwargs.setdefault("on_error", errors.append)
-        engine = Engine(SqlStore(sqlite_url), agents=agents, **kwargs)
-        engines.append(engine)
-        return engine
-
-    yield factory
-    for engine in engines:
-        engine.close()
+    yield from _engines(sqlite_url, errors, leases=LocalLeases)
 
 
 def trigger(payload: Any = None, **fields: Any) -> dict[str, Any]:

@@ -362,10 +362,18 @@ def test_prefork_children_have_their_own_engines_and_drain_on_sigterm(
     assert interrupted.claim is None
 
 
-def test_celeryconfig_matches_the_builtin_defaults() -> None:
-    """An installed package without celeryconfig.py gets the same settings."""
+def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:
+    """celeryconfig.py (a deployment's override point) carries agentruns' own settings."""
     from agentruns.celery import defaults
 
     settings = runpy.run_path(str(ROOT / "celeryconfig.py"))  # read now, like the defaults
     for key, value in defaults().items():
         assert settings[key] == value, key
+    assert settings["task_acks_late"] and settings["task_reject_on_worker_lost"]
+    assert settings["worker_prefetch_multiplier"] == 1
+    visibility = settings["broker_transport_options"]["visibility_timeout"]
+    assert settings["task_time_limit"] < visibility
+    assert settings["worker_send_task_events"] and settings["task_send_sent_event"]
+    schedule = settings["beat_schedule"]
+    assert {entry["task"] for entry in schedule.values()} == {"agentruns.tick", "agentruns.recover"}
+    assert all(entry["options"]["expires"] == entry["schedule"] for entry in schedule.values())

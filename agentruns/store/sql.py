@@ -73,8 +73,6 @@ class SqlStore:
         self.url = url
         self.engine = make_engine(url, **engine_kwargs)
         self._postgres = self.engine.dialect.name == "postgresql"
-        # Single-statement writes need no BEGIN/COMMIT round trips.
-        self._autocommit = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         self._checked = False
 
     # -- schema ------------------------------------------------------------

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from agentruns import Engine, RunStatus
+from agentruns import Engine, Run, RunStatus
 from agentruns.schedulers import ManualScheduler
 from tests.conftest import EngineFactory, trigger
 from tests.support.agents import AGENTS, STEPS, steps_agent
@@ -142,62 +142,59 @@ def test_effect_tool_runs_once_when_killed_after_it_ran_before_its_step_was_save
     assert tool_steps[0].output == {"charged": 5, "key": charges[0].split()[1]}
 
 
-def test_unknown_effect_outcome_with_retry_calls_again_with_the_same_key(
-    make_engine: EngineFactory, spawn: Any
-) -> None:
+def killed_inside_the_charge(
+    make_engine: EngineFactory, spawn: Any, agent: str
+) -> tuple[Engine, Run, Helper]:
+    """A run of ``agent`` whose process is killed inside its effect tool, then recovered."""
     producer = make_engine(AGENTS, scheduler=ManualScheduler())
-    run = producer.dispatch("unknown_retry", trigger({}))
-    helper = spawn(run.id, hang="charge")  # killed inside the effect: outcome unknown
+    run = producer.dispatch(agent, trigger({}))
+    helper = spawn(run.id, hang="charge")  # the intent is recorded, the result never is
     helper.wait_for_line("hanging charge")
     kill9(helper)
 
     rescuer = make_engine(AGENTS)
     recover_when_lease_expires(rescuer, run.id)
     assert rescuer.idle(20)
+    return rescuer, run, helper
+
+
+def charge_keys(helper: Helper) -> list[str]:
+    """The idempotency key of every call of the charge tool, in any process."""
+    return [line.split()[1] for line in helper.lines() if line.startswith("charge")]
+
+
+def test_unknown_effect_outcome_with_retry_calls_again_with_the_same_key(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, "unknown_retry")
     assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
-    charges = [line.split()[1] for line in helper.lines() if line.startswith("charge")]
+    charges = charge_keys(helper)
     assert len(charges) == 2 and charges[0] == charges[1]
 
 
 def test_unknown_effect_outcome_with_fail_fails_the_run(
     make_engine: EngineFactory, spawn: Any
 ) -> None:
-    producer = make_engine(AGENTS, scheduler=ManualScheduler())
-    run = producer.dispatch("unknown_fail", trigger({}))
-    helper = spawn(run.id, hang="charge")
-    helper.wait_for_line("hanging charge")
-    kill9(helper)
-
-    rescuer = make_engine(AGENTS)
-    recover_when_lease_expires(rescuer, run.id)
-    assert rescuer.idle(20)
+    rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, "unknown_fail")
     failed = rescuer.get_run(run.id)
     assert failed.status is RunStatus.FAILED
     assert failed.error is not None and failed.error.code == "effect_outcome_unknown"
-    assert len([line for line in helper.lines() if line.startswith("charge")]) == 1
+    assert len(charge_keys(helper)) == 1
 
 
 def test_unknown_effect_outcome_with_approve_asks_a_human_before_calling_again(
     make_engine: EngineFactory, spawn: Any
 ) -> None:
-    producer = make_engine(AGENTS, scheduler=ManualScheduler())
-    run = producer.dispatch("unknown_approve", trigger({}))
-    helper = spawn(run.id, hang="charge")
-    helper.wait_for_line("hanging charge")
-    kill9(helper)
-
-    rescuer = make_engine(AGENTS)
-    recover_when_lease_expires(rescuer, run.id)
-    assert rescuer.idle(20)
+    rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, "unknown_approve")
     waiting = rescuer.get_run(run.id)
     assert waiting.status is RunStatus.WAITING
     assert waiting.waiting is not None and waiting.waiting.tool_name == "charge_or_ask"
-    assert len([line for line in helper.lines() if line.startswith("charge")]) == 1
+    assert len(charge_keys(helper)) == 1
 
     rescuer.resume(rescuer.approval_token(run.id), approved=True)
     assert rescuer.idle(20)
     assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
-    charges = [line.split()[1] for line in helper.lines() if line.startswith("charge")]
+    charges = charge_keys(helper)
     assert len(charges) == 2 and charges[0] == charges[1]
 
 

@@ -69,6 +69,7 @@ class Execution:
         self.agent = agent
         self.run = claimed.run
         self.epoch = claimed.epoch
+        self.start = claimed.transcript
         self.signal = threading.Event()
         self.reason: Abort | None = None
         self.deadline: float | None = None
@@ -142,7 +143,7 @@ class Execution:
         self,
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
         """The transcript to continue, the start messages not stored yet, pending answers, state."""
-        stored = self.store.transcript(self.run.id)
+        stored = self.start
         messages = stored.messages
         unsaved: list[dict[str, Any]] = []
         if not messages:

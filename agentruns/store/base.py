@@ -88,8 +88,11 @@ class Committed:
 
 @dataclass(frozen=True)
 class Claimed:
+    """A run this caller now owns, with the transcript it continues from (read in the claim)."""
+
     run: Run
     epoch: int
+    transcript: Transcript
 
 
 @dataclass(frozen=True)

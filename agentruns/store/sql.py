@@ -202,14 +202,18 @@ class SqlStore:
 
     def transcript(self, run_id: str) -> Transcript:
         with self.engine.connect() as conn:
-            row = self._require(conn, run_id)
-            return Transcript(
-                messages=self._messages(conn, row["key"], None),
-                checkpoint_messages=row["checkpoint_messages"] or 0,
-                checkpoint_step=row["checkpoint_step"],
-                state=row["state"],
-                pending=row["pending"],
-            )
+            return self._transcript(conn, self._require(conn, run_id))
+
+    def _transcript(self, conn: Connection, row: RowMapping) -> Transcript:
+        # A run with no stored messages yet needs no query for them.
+        messages = self._messages(conn, row["key"], None) if row["message_count"] else []
+        return Transcript(
+            messages=messages,
+            checkpoint_messages=row["checkpoint_messages"] or 0,
+            checkpoint_step=row["checkpoint_step"],
+            state=row["state"],
+            pending=row["pending"],
+        )
 
     def pending(self, run_id: str) -> dict[str, Any] | None:
         with self.engine.connect() as conn:
@@ -269,11 +273,13 @@ class SqlStore:
         try:
             with self.engine.begin() as conn:
                 row = conn.execute(stmt).mappings().first()
+                if row is None:
+                    return None
+                # The start point comes with the claim: no second read of the run row.
+                start = self._transcript(conn, row)
         except IntegrityError:
             return None  # another run of the same concurrency key is running
-        if row is None:
-            return None
-        return Claimed(run=run_from_row(row), epoch=row["epoch"])
+        return Claimed(run=run_from_row(row), epoch=row["epoch"], transcript=start)
 
     def renew_claim(self, run_id: str, epoch: int, expires_at: datetime) -> bool | None:
         """Extend the claim; None if this epoch lost the run, else its ``cancel_requested``."""

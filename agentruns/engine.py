@@ -420,9 +420,10 @@ class Engine:
                 return False
         elif ref.status is RunStatus.QUEUED and self.leases.holder(ref.id) is not None:
             return False  # an execution is claiming it right now
-        if not self.store.requeue(ref):
+        requeued = self.store.requeue(ref)
+        if requeued is None:
             return False
-        self.events.run_updated(self.store.get_run(ref.id))
+        self.events.run_updated(requeued)
         return True
 
     def drain(self, timeout: float | None = None) -> None:

@@ -61,7 +61,8 @@ def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url:
     first = store.claim(run.id, "one", soon())
     assert first is not None
     ref = next(r for r in store.sweep_candidates(utcnow()) if r.id == run.id)
-    assert store.requeue(ref)
+    requeued = store.requeue(ref)
+    assert requeued is not None and requeued.status is RunStatus.QUEUED and requeued.claim is None
     second = store.claim(run.id, "two", soon())
     assert second is not None and second.epoch == first.epoch + 1
 

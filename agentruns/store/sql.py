@@ -599,7 +599,7 @@ class SqlStore:
                 for r in conn.execute(query)
             ]
 
-    def requeue(self, ref: RunRef) -> bool:
+    def requeue(self, ref: RunRef) -> Run | None:
         """Put a run back to queued if it is still exactly as swept (so one sweeper wins)."""
         stmt = R.update().where(
             R.c.id == ref.id, R.c.status == ref.status.value, R.c.epoch == ref.epoch
@@ -613,7 +613,8 @@ class SqlStore:
             updated_at=utcnow(),
         )
         with self.engine.begin() as conn:
-            return conn.execute(stmt).rowcount == 1
+            row = conn.execute(stmt.returning(*R.c)).mappings().first()
+        return run_from_row(row) if row is not None else None
 
     def next_queued(self, concurrency_key: str) -> str | None:
         with self.engine.connect() as conn:

@@ -279,9 +279,14 @@ class Engine:
             if current.waiting.notified_at is not None:
                 return
             agent.notifier(current, current.waiting, approvals.mint(self.secret, run.id, wait))
-            updated = self.store.mark_notified(run.id, wait.token_id, utcnow())
-            if updated is not None:
-                self.events.run_updated(updated)
+            notified = current.waiting.model_copy(update={"notified_at": utcnow()})
+            committed = self.store.commit(
+                current,
+                Guard(status=RunStatus.WAITING, token_id=wait.token_id),
+                Commit(waiting=notified),
+            )
+            if committed is not None:
+                self.events.run_updated(committed.run)
         except Exception as exc:
             self.report(exc)
         finally:

@@ -635,15 +635,3 @@ class SqlStore:
                 sa.select(R).where(R.c.status == RunStatus.WAITING.value).order_by(R.c.created_at)
             ).mappings()
             return [run_from_row(r) for r in rows]
-
-    def mark_notified(self, run_id: str, token_id: str, at: datetime) -> Run | None:
-        run = self.get_run(run_id)
-        if run.waiting is None or run.waiting.token_id != token_id:
-            return None
-        waiting = run.waiting.model_copy(update={"notified_at": at})
-        committed = self.commit(
-            run,
-            Guard(status=RunStatus.WAITING, token_id=token_id),
-            Commit(waiting=waiting),
-        )
-        return committed.run if committed else None

@@ -7,9 +7,10 @@ Postgres and Redis are the real services on 127.0.0.1 (``make test`` starts them
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, TypeVar
 
 import psycopg
 import pytest
@@ -118,6 +119,21 @@ def make_engine(db_url: str, redis_prefix: str, errors: Errors) -> Iterator[Engi
 def make_sqlite_engine(sqlite_url: str, errors: Errors) -> Iterator[EngineFactory]:
     """The embedded default: SQLite, in-process leases and scheduler."""
     yield from _engines(sqlite_url, errors, leases=LocalLeases)
+
+
+T = TypeVar("T")
+
+
+def wait_for(check: Callable[[], T | None], what: str = "a condition", timeout: float = 20.0) -> T:
+    """Poll ``check`` until it returns something truthy; that is the result."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
 
 
 def trigger(payload: Any = None, **fields: Any) -> dict[str, Any]:

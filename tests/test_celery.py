@@ -14,7 +14,7 @@ import runpy
 import signal
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -26,7 +26,7 @@ from agentruns import CeleryScheduler, Engine, RedisLeases, Run, RunStatus
 from agentruns.settings import get_settings
 from bench.cluster import Cluster as BaseCluster
 from bench.cluster import Proc, forget_queue
-from tests.conftest import REDIS_URL, EngineFactory, trigger
+from tests.conftest import REDIS_URL, EngineFactory, trigger, wait_for
 from tests.support import celery_agents
 from tests.support.celery_agents import CHARGE_SCRIPT, QUICK_SCRIPT
 
@@ -34,17 +34,6 @@ ROOT = Path(__file__).resolve().parents[1]
 LEASE_TTL = 1.0
 REQUEUE_AFTER = 2.0
 T = TypeVar("T")
-
-
-def wait_for(check: Callable[[], T | None], what: str, timeout: float = 20.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.05)
 
 
 # -- the session's queue and the producer ------------------------------------------------

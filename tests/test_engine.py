@@ -25,21 +25,13 @@ from agentruns import (
 )
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
-from tests.conftest import EngineFactory, Errors, trigger
+from tests.conftest import EngineFactory, Errors, trigger, wait_for
 
 
 @tool
 def search_issues(query: str, limit: int = 5) -> list[dict[str, Any]]:
     """Search the tracker."""
     return [{"id": i, "title": f"{query} {i}"} for i in range(limit)]
-
-
-def wait_for(predicate: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.02)
 
 
 def test_happy_run_appends_dense_steps_and_sums_usage(make_engine: EngineFactory) -> None:

@@ -14,14 +14,13 @@ import subprocess
 import threading
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 import sqlalchemy.exc
 
 from agentruns import Agent, Engine, LocalScheduler, RedisLeases, RunStatus, SqlStore, tool
 from agentruns.models import ScriptedModel, text, tool_use
-from tests.conftest import Errors, trigger
+from tests.conftest import Errors, trigger, wait_for
 
 
 @tool
@@ -37,14 +36,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def wait_for(predicate: Any, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        time.sleep(0.05)
 
 
 class Proxy:

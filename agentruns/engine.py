@@ -181,50 +181,59 @@ class Engine:
 
     def execute(self, run_id: str) -> Run:
         """One execution of a queued run; does nothing if another engine has it."""
-        run = self.store.get_run(run_id)
-        if run.status is not RunStatus.QUEUED or self._draining:
-            return run
+        # No read first: the claim is the check (a run that is not queued, or not
+        # there, costs a lease round trip and a claim that matches nothing).
         while not self._slots.acquire(timeout=0.2):
             if self._draining:
-                return run
+                return self.store.get_run(run_id)
         try:
-            return self._execute_claimed(run)
+            return self._execute_claimed(run_id)
         finally:
             self._slots.release()
 
-    def _execute_claimed(self, run: Run) -> Run:
+    def _execute_claimed(self, run_id: str) -> Run:
         try:
-            if self._draining or not self.leases.acquire(run.id, self.owner, self.lease_ttl):
-                return run
+            if self._draining or not self.leases.acquire(run_id, self.owner, self.lease_ttl):
+                return self.store.get_run(run_id)
         except Exception as exc:
             self.report(exc)
-            return run
-        key = run.concurrency_key
+            return self.store.get_run(run_id)
         try:
-            claimed = self.store.claim(run.id, self.owner, self._keeper.expiry())
-            if claimed is None:
-                return self.store.get_run(run.id)
-            self.events.run_updated(claimed.run)
-            agent = self._agents.get(claimed.run.agent)
+            claimed = self.store.claim(run_id, self.owner, self._keeper.expiry())
+        except Exception:
+            self._release_lease(run_id)
+            raise
+        if claimed is None:
+            self._release_lease(run_id)
+            return self.store.get_run(run_id)
+        run = claimed.run
+        try:
+            self.events.run_updated(run)
+            agent = self._agents.get(run.agent)
             if agent is None:
-                return self._fail_unknown_agent(claimed.run, claimed.epoch)
-            execution = Execution(self, agent, claimed)
-            budget = claimed.run.budget or agent.budget
-            self._keeper.keep(execution, budget.timeout_s)
-            try:
-                run = execution.execute()
-            finally:
-                self._keeper.release(run.id)
+                run = self._fail_unknown_agent(run, claimed.epoch)
+            else:
+                execution = Execution(self, agent, claimed)
+                budget = run.budget or agent.budget
+                self._keeper.keep(execution, budget.timeout_s)
+                try:
+                    run = execution.execute()
+                finally:
+                    self._keeper.release(run_id)
         except Exception as exc:
             self.report(exc)
         finally:
-            try:
-                self.leases.release(run.id, self.owner)
-            except Exception as exc:
-                self.report(exc)
+            self._release_lease(run_id)
+        key = run.concurrency_key
         if key is not None and run.status is not RunStatus.RUNNING:
             self._schedule_next(key)
         return run
+
+    def _release_lease(self, run_id: str) -> None:
+        try:
+            self.leases.release(run_id, self.owner)
+        except Exception as exc:
+            self.report(exc)
 
     def _fail_unknown_agent(self, run: Run, epoch: int) -> Run:
         committed = self.store.commit(

@@ -319,6 +319,10 @@ class Execution:
                 checkpoint=(index, finish_reason),
                 state=self._state_to_save(),
                 pending=None,
+                # Lost only with a crash of the database itself: then a recovery
+                # repeats this step's tool calls (effect tools return their records),
+                # never a model call, since every later write is durable and flushes it.
+                durable=False,
             )
         )
         messages.append(message)

@@ -78,6 +78,10 @@ class Commit:
     error: RunError | None = None
     waiting: WaitPoint | None = _UNSET
     release_claim: bool = False
+    # False: the write may be lost if the database itself crashes (never if only
+    # the writer does), with everything written after it. Only for what a
+    # recovery may repeat: the tool results of a step.
+    durable: bool = True
 
 
 @dataclass(frozen=True)

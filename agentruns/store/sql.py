@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 from datetime import datetime
-from pathlib import Path
 from typing import Any
 
-import psycopg
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, RowMapping
 from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
@@ -17,7 +15,6 @@ from agentruns.runs import (
     Run,
     RunStatus,
     Step,
-    Usage,
     utcnow,
 )
 from agentruns.store import schema
@@ -32,38 +29,14 @@ from agentruns.store.base import (
     RunRef,
     Transcript,
 )
-from agentruns.store.connect import dumps as _dumps
 from agentruns.store.connect import make_engine
+from agentruns.store.postgres import Statements
 from agentruns.store.rows import aware, new_steps, run_from_row, run_updated, step_from_row
 
 R = schema.runs
 S = schema.steps
 M = schema.messages
 E = schema.effects
-
-# What a write returns: every column a write can change, in this order.
-_WRITE_RETURNS = (
-    "status",
-    "output",
-    "error",
-    "input_tokens",
-    "output_tokens",
-    "cache_creation_input_tokens",
-    "cache_read_input_tokens",
-    "steps_used",
-    "step_count",
-    "message_count",
-    "waiting",
-    "claim_owner",
-    "claim_expires_at",
-    "cancel_requested",
-    "updated_at",
-    "started_at",
-    "finished_at",
-)
-_COMMIT_SQL = (
-    (Path(__file__).parent / "commit.sql").read_text().format(returns=", ".join(_WRITE_RETURNS))
-)
 
 
 class SqlStore:
@@ -72,7 +45,16 @@ class SqlStore:
     def __init__(self, url: str, **engine_kwargs: Any) -> None:
         self.url = url
         self.engine = make_engine(url, **engine_kwargs)
-        self._postgres = self.engine.dialect.name == "postgresql"
+        # Postgres: the hot path as single autocommit statements; SQLite: transactions.
+        self._fast = Statements(self.engine) if self.engine.dialect.name == "postgresql" else None
+        # Postgres reads and one-statement writes need no BEGIN and COMMIT (or
+        # ROLLBACK) round trips around them; a read of two statements bounds the
+        # second by the first (a message count), not by a shared snapshot.
+        self._autocommit = (
+            self.engine.execution_options(isolation_level="AUTOCOMMIT")
+            if self._fast is not None
+            else self.engine
+        )
         self._checked = False
 
     # -- schema ------------------------------------------------------------
@@ -115,6 +97,17 @@ class SqlStore:
 
     def create_run(self, new: NewRun) -> tuple[Run, bool]:
         now = utcnow()
+        if self._fast is not None:
+            created = self._fast.create(new, now)
+            if created is not None:
+                return run_from_row(created), True
+            with self._autocommit.connect() as conn:
+                existing = (
+                    conn.execute(sa.select(R).where(R.c.idempotency_key == new.idempotency_key))
+                    .mappings()
+                    .one()
+                )
+            return run_from_row(existing), False
         values = {
             "id": new.id,
             "agent": new.agent,
@@ -151,7 +144,7 @@ class SqlStore:
         return sqlite_insert(table)
 
     def get_run(self, run_id: str) -> Run:
-        with self.engine.connect() as conn:
+        with self._autocommit.connect() as conn:
             row = conn.execute(sa.select(R).where(R.c.id == run_id)).mappings().first()
         if row is None:
             raise RunNotFoundError(run_id)
@@ -165,11 +158,11 @@ class SqlStore:
             query = query.where(R.c.status == RunStatus(status).value)
         if agent is not None:
             query = query.where(R.c.agent == agent)
-        with self.engine.connect() as conn:
+        with self._autocommit.connect() as conn:
             return [run_from_row(r) for r in conn.execute(query).mappings()]
 
     def steps(self, run_id: str) -> list[Step]:
-        with self.engine.connect() as conn:
+        with self._autocommit.connect() as conn:
             key = self._require(conn, run_id)["key"]
             rows = conn.execute(sa.select(S).where(S.c.run_key == key).order_by(S.c.idx))
             return [step_from_row(run_id, r) for r in rows.mappings()]
@@ -187,7 +180,7 @@ class SqlStore:
         return [r[0] for r in conn.execute(query)]
 
     def checkpoint(self, run_id: str) -> Checkpoint | None:
-        with self.engine.connect() as conn:
+        with self._autocommit.connect() as conn:
             row = self._require(conn, run_id)
             if row["checkpoint_step"] is None:
                 return None
@@ -201,12 +194,17 @@ class SqlStore:
             )
 
     def transcript(self, run_id: str) -> Transcript:
-        with self.engine.connect() as conn:
+        with self._autocommit.connect() as conn:
             return self._transcript(conn, self._require(conn, run_id))
 
     def _transcript(self, conn: Connection, row: RowMapping) -> Transcript:
         # A run with no stored messages yet needs no query for them.
-        messages = self._messages(conn, row["key"], None) if row["message_count"] else []
+        count = row["message_count"]
+        messages = self._messages(conn, row["key"], count) if count else []
+        return self._transcript_of(row, messages)
+
+    @staticmethod
+    def _transcript_of(row: RowMapping | dict[str, Any], messages: list[Any]) -> Transcript:
         return Transcript(
             messages=messages,
             checkpoint_messages=row["checkpoint_messages"] or 0,
@@ -216,7 +214,7 @@ class SqlStore:
         )
 
     def pending(self, run_id: str) -> dict[str, Any] | None:
-        with self.engine.connect() as conn:
+        with self._autocommit.connect() as conn:
             row = conn.execute(sa.select(R.c.pending).where(R.c.id == run_id)).first()
         if row is None:
             raise RunNotFoundError(run_id)
@@ -224,7 +222,7 @@ class SqlStore:
 
     def thread_history(self, thread: str, before_run: str) -> list[dict[str, Any]]:
         """The transcript of the thread's latest completed run other than ``before_run``."""
-        with self.engine.connect() as conn:
+        with self._autocommit.connect() as conn:
             prev = conn.execute(
                 sa.select(R.c.key, R.c.checkpoint_messages)
                 .where(
@@ -244,6 +242,12 @@ class SqlStore:
     def claim(self, run_id: str, owner: str, expires_at: datetime) -> Claimed | None:
         """queued -> running with a new epoch; None if not queued or its key is busy."""
         now = utcnow()
+        if self._fast is not None:
+            fast = self._fast.claim(run_id, owner, expires_at, now)
+            if fast is None:
+                return None
+            start = self._transcript_of(fast, fast["messages"] or [])
+            return Claimed(run=run_from_row(fast), epoch=fast["epoch"], transcript=start)
         older = R.alias("older")
         # Oldest first per concurrency key: a run waits while an older one of its key is queued.
         no_older = ~sa.exists(
@@ -283,7 +287,7 @@ class SqlStore:
 
     def renew_claim(self, run_id: str, epoch: int, expires_at: datetime) -> bool | None:
         """Extend the claim; None if this epoch lost the run, else its ``cancel_requested``."""
-        with self.engine.begin() as conn:
+        with self._autocommit.begin() as conn:
             row = conn.execute(
                 R.update()
                 .where(
@@ -303,93 +307,14 @@ class SqlStore:
         that raises ``LeaseLostError``. Other guards return None.
         """
         now = utcnow()
-        if self._postgres:
-            row = self._commit_statement(run.id, guard, commit, now)
+        if self._fast is not None:
+            row = self._fast.commit(run.id, guard, commit, now)
             if row is None:
                 if guard.status == RunStatus.RUNNING:
                     raise LeaseLostError(run.id)
                 return None
             return Committed(run=run_updated(run, row), steps=new_steps(row, run.id, commit))
         return self._commit_transaction(run.id, guard, commit, now)
-
-    def _commit_statement(
-        self, run_id: str, guard: Guard, commit: Commit, now: datetime
-    ) -> dict[str, Any] | None:
-        usage = commit.usage or Usage()
-        final = commit.status is not None and commit.status.is_final
-        params = {
-            "now": now,
-            "run_id": run_id,
-            "guard_status": guard.status.value,
-            "guard_epoch": guard.epoch,
-            "guard_token": guard.token_id,
-            "n_steps": len(commit.steps),
-            "n_messages": len(commit.messages),
-            "model_calls": commit.model_calls,
-            "input_tokens": usage.input_tokens,
-            "output_tokens": usage.output_tokens,
-            "cache_creation": usage.cache_creation_input_tokens,
-            "cache_read": usage.cache_read_input_tokens,
-            "checkpoint": commit.checkpoint is not None,
-            "checkpoint_step": commit.checkpoint[0] if commit.checkpoint else None,
-            "checkpoint_reason": commit.checkpoint[1] if commit.checkpoint else None,
-            "set_state": commit.state is not None,
-            "state": _dumps(commit.state) if commit.state is not None else None,
-            "set_pending": commit.pending is not _UNSET,
-            "pending": _dumps(commit.pending) if commit.pending not in (_UNSET, None) else None,
-            "status": commit.status.value if commit.status is not None else None,
-            "final": final,
-            "output": commit.output,
-            "set_error": commit.error is not None,
-            "error": _dumps(commit.error.model_dump(mode="json")) if commit.error else None,
-            "set_waiting": commit.waiting is not _UNSET,
-            "waiting": (
-                _dumps(commit.waiting.model_dump(mode="json"))
-                if commit.waiting not in (_UNSET, None)
-                else None
-            ),
-            "release": commit.release_claim,
-            "steps": _dumps(
-                [
-                    {
-                        "kind": s.kind,
-                        "name": s.name,
-                        "input": s.input,
-                        "output": s.output,
-                        "error": s.error,
-                        "started_at": s.started_at.isoformat(),
-                        "finished_at": s.finished_at.isoformat(),
-                    }
-                    for s in commit.steps
-                ]
-            ),
-            "messages": _dumps(commit.messages),
-        }
-        return self._execute_raw(_COMMIT_SQL, params, _WRITE_RETURNS)
-
-    def _execute_raw(
-        self, sql: str, params: dict[str, Any], names: tuple[str, ...]
-    ) -> dict[str, Any] | None:
-        """One autocommit statement on the driver connection, returning its first row
-        as ``names``: the hot path (two per model step) skips SQLAlchemy's result
-        layer and psycopg's column descriptions."""
-        pooled = self.engine.raw_connection()
-        try:
-            driver = pooled.driver_connection
-            assert driver is not None
-            driver.autocommit = True
-            try:
-                with driver.cursor() as cursor:
-                    cursor.execute(sql, params, prepare=True)
-                    row = cursor.fetchone()
-            finally:
-                driver.autocommit = False
-        except psycopg.OperationalError as exc:
-            pooled.invalidate(exc)
-            raise sa.exc.OperationalError(sql, params, exc) from exc
-        finally:
-            pooled.close()
-        return dict(zip(names, row, strict=True)) if row is not None else None
 
     def _commit_transaction(
         self, run_id: str, guard: Guard, commit: Commit, now: datetime
@@ -522,7 +447,7 @@ class SqlStore:
     # -- effect records --------------------------------------------------------
 
     def effects(self, run_id: str) -> dict[str, EffectRecord]:
-        with self.engine.connect() as conn:
+        with self._autocommit.connect() as conn:
             rows = conn.execute(sa.select(E).where(E.c.run_id == run_id)).mappings()
             return {
                 r["tool_call_id"]: EffectRecord(
@@ -587,7 +512,7 @@ class SqlStore:
                 sa.and_(R.c.status == RunStatus.QUEUED.value, R.c.updated_at < queued_before),
             )
         ).order_by(R.c.created_at)
-        with self.engine.connect() as conn:
+        with self._autocommit.connect() as conn:
             return [
                 RunRef(
                     id=r.id,
@@ -617,7 +542,7 @@ class SqlStore:
         return run_from_row(row) if row is not None else None
 
     def next_queued(self, concurrency_key: str) -> str | None:
-        with self.engine.connect() as conn:
+        with self._autocommit.connect() as conn:
             row = conn.execute(
                 sa.select(R.c.id)
                 .where(
@@ -630,7 +555,7 @@ class SqlStore:
             return row[0] if row else None
 
     def waiting_runs(self) -> list[Run]:
-        with self.engine.connect() as conn:
+        with self._autocommit.connect() as conn:
             rows = conn.execute(
                 sa.select(R).where(R.c.status == RunStatus.WAITING.value).order_by(R.c.created_at)
             ).mappings()

@@ -481,3 +481,37 @@ def test_executing_one_run_twice_at_once_runs_it_once(make_engine: EngineFactory
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
     assert len(model.calls) == 2
     assert [s.kind for s in engine.steps(run.id)] == ["llm", "tool", "llm"]
+
+
+def test_only_the_tool_results_write_may_skip_the_wal_flush(make_engine: EngineFactory) -> None:
+    # A model response, a pause or a settle is never lost to a database crash; the
+    # tool results of a step may be (its tool calls then run again).
+    model = ScriptedModel(
+        [
+            tool_use("search_issues", {"query": "a"}),
+            [tool_use("search_issues", {"query": "b"}), tool_use("search_issues", {"query": "c"})],
+            text("Done."),
+        ]
+    )
+    engine = make_engine([Agent("triage", model, tools=[search_issues])])
+    writes: list[Any] = []
+    commit = engine.store.commit
+
+    def recording(run: Any, guard: Any, write: Any) -> Any:
+        writes.append(write)
+        return commit(run, guard, write)
+
+    engine.store.commit = recording  # type: ignore[method-assign]
+    run = engine.dispatch("triage", trigger({}))
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+
+    def answers_tools(write: Any) -> bool:
+        return any(
+            isinstance(m["content"], list)
+            and any(b.get("type") == "tool_result" for b in m["content"])
+            for m in write.messages
+        )
+
+    assert [answers_tools(w) for w in writes] == [False, True, False, True, False]
+    assert [w.durable for w in writes] == [not answers_tools(w) for w in writes]

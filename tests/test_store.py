@@ -126,3 +126,46 @@ def test_a_checkpoint_with_the_same_step_index_replaces_the_pointer(db_url: str)
     second = store.checkpoint(run.id)
     assert second is not None and second.step_index == 0 and len(second.messages) == 3
     store.close()
+
+
+def test_a_write_not_marked_durable_commits_without_waiting_for_the_wal_flush(
+    db_url: str,
+) -> None:
+    # One pooled connection, so the WAL syncs counted are this store's backend's own.
+    store = SqlStore(db_url, pool_size=1, max_overflow=0)
+    same_backend = store.engine.execution_options(isolation_level="AUTOCOMMIT")
+
+    def wal_syncs() -> int:
+        with same_backend.connect() as conn:
+            conn.exec_driver_sql("SELECT pg_stat_force_next_flush()")
+            return int(conn.exec_driver_sql("SELECT wal_sync FROM pg_stat_wal").scalar_one())
+
+    def synchronous_commit() -> str:
+        with same_backend.connect() as conn:
+            return str(conn.exec_driver_sql("SHOW synchronous_commit").scalar_one())
+
+    run, _ = store.create_run(new_run())
+    claimed = store.claim(run.id, "x", soon())
+    assert claimed is not None
+    guard = Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
+    now = utcnow()
+
+    def write(durable: bool) -> None:
+        step = NewStep(kind="tool", name="t", started_at=now, finished_at=now)
+        store.commit(run, guard, Commit(steps=[step], durable=durable))
+
+    before = wal_syncs()
+    for _ in range(20):
+        write(durable=True)
+    durable_syncs = wal_syncs() - before
+    before = wal_syncs()
+    for _ in range(20):
+        write(durable=False)
+    lazy_syncs = wal_syncs() - before
+
+    assert durable_syncs >= 20  # each durable write waited for its own flush
+    assert lazy_syncs <= 5  # none of its own (the WAL writer may flush meanwhile)
+    assert len(store.steps(run.id)) == 40  # and every write is there
+    # The setting lasted for the write's own transaction: the connection is as it was.
+    assert synchronous_commit() == "on"
+    store.close()

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import collections
+import os
 import re
 import time
+from pathlib import Path
 from typing import Any
 
 import psycopg
@@ -37,9 +39,21 @@ class Counter:
         self.sql: collections.Counter[str] = collections.Counter()
         self.commits = 0
         self.redis: collections.Counter[str] = collections.Counter()
-        self._db: sa.Engine = engine.store.engine  # type: ignore[attr-defined]
+        store: Any = engine.store
+        self._db: sa.Engine = store.engine
         sa.event.listen(self._db, "before_cursor_execute", self._statement)
         sa.event.listen(self._db, "commit", self._commit)
+        # The Postgres hot path runs its statements on driver connections, past
+        # SQLAlchemy's events: count them where they are sent.
+        self._statements: Any = store.statements
+        self._row = self._statements.row if self._statements is not None else None
+
+        def row(sql: str, *args: Any, **kwargs: Any) -> Any:
+            self._statement(None, None, sql)
+            return self._row(sql, *args, **kwargs)  # type: ignore[misc]
+
+        if self._statements is not None:
+            self._statements.row = row
         self._client: Any = leases._client
         self._original = self._client.execute_command
 
@@ -65,6 +79,8 @@ class Counter:
     def remove(self) -> None:
         sa.event.remove(self._db, "before_cursor_execute", self._statement)
         sa.event.remove(self._db, "commit", self._commit)
+        if self._statements is not None:
+            self._statements.row = self._row
         self._client.execute_command = self._original
 
     def per_step(self, steps: int) -> dict[str, Any]:
@@ -77,3 +93,31 @@ class Counter:
             "sql_by_statement": {k: round(n / steps, 3) for k, n in self.sql.most_common()},
             "redis_by_command": {k: round(n / steps, 3) for k, n in self.redis.most_common()},
         }
+
+
+def cpu_by_command() -> dict[str, float]:
+    """CPU seconds used so far by this machine's processes, summed by command name (Linux).
+
+    A process that exits between two readings takes its share with it, so a
+    difference of two readings is a lower bound for short-lived processes.
+    """
+    ticks = os.sysconf("SC_CLK_TCK")
+    totals: collections.Counter[str] = collections.Counter()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            head, _, tail = (entry / "stat").read_text().rpartition(")")
+        except OSError:
+            continue
+        fields = tail.split()
+        totals[head.partition("(")[2]] += (int(fields[11]) + int(fields[12])) / ticks
+    return dict(totals)
+
+
+def machine_busy_seconds() -> tuple[float, float]:
+    """(busy, total) CPU seconds of the whole machine since boot, from /proc/stat."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle + iowait
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (sum(fields) - idle) / ticks, sum(fields) / ticks

@@ -19,6 +19,7 @@ import psycopg
 
 from bench import agents, workload
 from bench.cluster import Proc, celery_queue, cluster, forget_leases, producer_app, wait_for
+from bench.probes import cpu_by_command, machine_busy_seconds
 from bench.report import Figure, median, spread
 from bench.services import fresh_database, plain
 
@@ -52,6 +53,8 @@ def one_batch(
     from agentruns.tasks import dispatch
 
     cpu_before = [w.cpu_seconds() or 0.0 for w in workers]
+    services_before = cpu_by_command()
+    busy_before = machine_busy_seconds()
     producer_cpu = time.process_time()
     started = datetime.now(UTC)
     t0 = time.perf_counter()
@@ -87,6 +90,13 @@ def one_batch(
     ).fetchone()
     elapsed = (last_finished - started).total_seconds()
     worker_cpu = sum((w.cpu_seconds() or 0.0) - b for w, b in zip(workers, cpu_before, strict=True))
+    services = cpu_by_command()
+    busy_after = machine_busy_seconds()
+
+    def service_ms_per_run(command: str) -> float:
+        used = services.get(command, 0.0) - services_before.get(command, 0.0)
+        return used * 1000 / sizes.runs
+
     return {
         "seconds": elapsed,
         "runs_per_s": sizes.runs / elapsed,
@@ -104,6 +114,12 @@ def one_batch(
         # Postgres and Redis come on top, on the same 2 cores.
         "worker_cpu_ms_per_run": worker_cpu * 1000 / sizes.runs,
         "producer_cpu_ms_per_run": producer_cpu * 1000 / sizes.runs,
+        # Postgres backends that exited meanwhile are not counted: a lower bound.
+        "postgres_cpu_ms_per_run": service_ms_per_run("postgres"),
+        "redis_cpu_ms_per_run": service_ms_per_run("redis-server"),
+        # The share of both cores in use, from the first send until all completed
+        # (and the poll after): near 1.0 means the machine itself is the limit.
+        "machine_busy": (busy_after[0] - busy_before[0]) / (busy_after[1] - busy_before[1]),
     }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import uuid
 from datetime import timedelta
 
@@ -168,4 +169,43 @@ def test_a_write_not_marked_durable_commits_without_waiting_for_the_wal_flush(
     assert len(store.steps(run.id)) == 40  # and every write is there
     # The setting lasted for the write's own transaction: the connection is as it was.
     assert synchronous_commit() == "on"
+    store.close()
+
+
+@pytest.mark.parametrize("statement", ["commit", "claim"])
+def test_the_hot_statements_find_their_run_by_id_in_a_generic_plan(
+    db_url: str, statement: str
+) -> None:
+    # psycopg prepares these statements; their generic plan must not pick the
+    # status index (which would filter every running or queued run per write).
+    from psycopg import sql
+
+    from agentruns.store.postgres import CLAIM_SQL, COMMIT_SQL, commit_params
+
+    store = SqlStore(db_url)
+    run, _ = store.create_run(new_run())
+    if statement == "commit":
+        text_, params = (
+            COMMIT_SQL,
+            commit_params(run.id, Guard(RunStatus.RUNNING, 1), Commit(), utcnow()),
+        )
+    else:
+        text_ = CLAIM_SQL
+        params = {"run_id": run.id, "owner": "x", "expires_at": soon(), "now": utcnow()}
+    names: list[str] = []
+
+    def positional(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    prepared = re.sub(r"%\((\w+)\)s", positional, text_)
+    with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute(sql.SQL("PREPARE hot AS {}").format(sql.SQL(prepared)))
+        args = sql.SQL(", ").join(sql.Literal(params[n]) for n in names)
+        explain = sql.SQL("EXPLAIN EXECUTE hot({})").format(args)
+        plan = "\n".join(row[0] for row in conn.execute(explain))
+    assert "agentruns_runs_id_key" in plan, plan
+    assert "agentruns_runs_status" not in plan, plan
     store.close()

@@ -10,12 +10,14 @@ WITH run AS (
         claim_expires_at = %(expires_at)s,
         started_at = COALESCE(r.started_at, %(now)s),
         updated_at = %(now)s
+    -- By the id's unique index and the key's index, never the status index (see
+    -- commit.sql): there may be many queued runs.
     WHERE r.id = %(run_id)s
-      AND r.status = 'queued'
+      AND COALESCE(r.status, '') = 'queued'
       AND (r.concurrency_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM agentruns_runs AS older
             WHERE older.concurrency_key = r.concurrency_key
-              AND older.status = 'queued'
+              AND COALESCE(older.status, '') = 'queued'
               AND (older.created_at, older.id) < (r.created_at, r.id)))
     RETURNING r.*
 )

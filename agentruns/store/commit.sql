@@ -26,8 +26,11 @@ WITH run AS (
         waiting = CASE WHEN %(set_waiting)s THEN %(waiting)s::json ELSE waiting END,
         claim_owner = CASE WHEN %(release)s THEN NULL ELSE claim_owner END,
         claim_expires_at = CASE WHEN %(release)s THEN NULL ELSE claim_expires_at END
+    -- The run is found by its id's unique index; the guard is a filter. (As
+    -- COALESCE, the status cannot pick the status index instead: with a prepared
+    -- statement's generic plan, that index could scan every running run.)
     WHERE id = %(run_id)s
-      AND status = %(guard_status)s
+      AND COALESCE(status, '') = %(guard_status)s
       AND (%(guard_epoch)s::int IS NULL OR epoch = %(guard_epoch)s::int)
       AND (%(guard_token)s::text IS NULL OR waiting ->> 'token_id' = %(guard_token)s::text)
     RETURNING *

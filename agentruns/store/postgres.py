@@ -14,7 +14,7 @@ from typing import Any
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.rows import dict_row
+from psycopg.rows import dict_row, tuple_row
 
 from agentruns.store.base import _UNSET, Commit, Guard, NewRun
 from agentruns.store.connect import dumps
@@ -91,19 +91,15 @@ class Statements:
     def row(
         self, sql: str, params: dict[str, Any], names: tuple[str, ...] | None = None
     ) -> dict[str, Any] | None:
-        """One autocommit statement's first row: as ``names`` when given (skipping the
-        column descriptions), else by the columns' own names."""
+        """One statement's first row: as ``names`` when given (skipping the column
+        descriptions), else by the columns' own names. The store's connections
+        autocommit, so the statement is its own transaction."""
         pooled = self.engine.raw_connection()
         try:
-            driver = pooled.driver_connection
-            assert driver is not None
-            driver.autocommit = True
-            try:
-                with driver.cursor(row_factory=dict_row if names is None else None) as cursor:
-                    cursor.execute(sql, params, prepare=True)
-                    row = cursor.fetchone()
-            finally:
-                driver.autocommit = False
+            cursor = _cursor(pooled)
+            cursor.row_factory = tuple_row if names is not None else dict_row
+            cursor.execute(sql, params, prepare=True)
+            row = cursor.fetchone()
         except psycopg.IntegrityError as exc:
             raise sa.exc.IntegrityError(sql, params, exc) from exc
         except psycopg.OperationalError as exc:
@@ -116,6 +112,21 @@ class Statements:
         if names is None:
             return dict(row)
         return dict(zip(names, row, strict=True))
+
+
+def _cursor(pooled: Any) -> psycopg.Cursor[Any]:
+    """The pooled connection's own cursor, made once per connection."""
+    driver = pooled.driver_connection
+    cursor: psycopg.Cursor[Any] | None = pooled.info.get(_CURSOR)
+    if cursor is None or cursor.closed or cursor.connection is not driver:
+        if not driver.autocommit:
+            raise RuntimeError("the store's Postgres connections must autocommit")
+        cursor = driver.cursor()
+        pooled.info[_CURSOR] = cursor
+    return cursor
+
+
+_CURSOR = "agentruns.cursor"
 
 
 def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> dict[str, Any]:

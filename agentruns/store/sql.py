@@ -38,21 +38,31 @@ S = schema.steps
 M = schema.messages
 E = schema.effects
 
+# The status of a run found by its id: as an expression the status index cannot
+# serve, so the id's unique index always finds the row. (psycopg prepares repeated
+# statements; a generic plan could otherwise pick the status index and filter
+# every run of that status.)
+_status_of_one = sa.func.coalesce(R.c.status, "")
+
 
 class SqlStore:
     """Runs, steps, messages and effect records in SQL, every write to a run guarded."""
 
     def __init__(self, url: str, **engine_kwargs: Any) -> None:
         self.url = url
+        postgres = sa.make_url(url).get_backend_name() == "postgresql"
+        if postgres:
+            # Postgres connections autocommit: the hot path is single statements
+            # (``statements``), and reads and one-statement writes need no BEGIN and
+            # COMMIT or ROLLBACK round trips. A read of two statements bounds the
+            # second by the first (a message count), not by a shared snapshot.
+            engine_kwargs.setdefault("isolation_level", "AUTOCOMMIT")
         self.engine = make_engine(url, **engine_kwargs)
-        # Postgres: the hot path as single autocommit statements; SQLite: transactions.
-        self._fast = Statements(self.engine) if self.engine.dialect.name == "postgresql" else None
-        # Postgres reads and one-statement writes need no BEGIN and COMMIT (or
-        # ROLLBACK) round trips around them; a read of two statements bounds the
-        # second by the first (a message count), not by a shared snapshot.
-        self._autocommit = (
-            self.engine.execution_options(isolation_level="AUTOCOMMIT")
-            if self._fast is not None
+        self.statements = Statements(self.engine) if postgres else None
+        # What must be atomic and takes several statements runs in a transaction.
+        self._atomic = (
+            self.engine.execution_options(isolation_level="READ COMMITTED")
+            if postgres
             else self.engine
         )
         self._checked = False
@@ -97,11 +107,11 @@ class SqlStore:
 
     def create_run(self, new: NewRun) -> tuple[Run, bool]:
         now = utcnow()
-        if self._fast is not None:
-            created = self._fast.create(new, now)
+        if self.statements is not None:
+            created = self.statements.create(new, now)
             if created is not None:
                 return run_from_row(created), True
-            with self._autocommit.connect() as conn:
+            with self.engine.connect() as conn:
                 existing = (
                     conn.execute(sa.select(R).where(R.c.idempotency_key == new.idempotency_key))
                     .mappings()
@@ -123,7 +133,7 @@ class SqlStore:
         insert = self._insert(R).values(**values)
         if new.idempotency_key is not None:
             insert = insert.on_conflict_do_nothing(index_elements=["idempotency_key"])
-        with self.engine.begin() as conn:
+        with self._atomic.begin() as conn:
             row = conn.execute(insert.returning(*R.c)).mappings().first()
             if row is not None:
                 return run_from_row(row), True
@@ -144,7 +154,7 @@ class SqlStore:
         return sqlite_insert(table)
 
     def get_run(self, run_id: str) -> Run:
-        with self._autocommit.connect() as conn:
+        with self.engine.connect() as conn:
             row = conn.execute(sa.select(R).where(R.c.id == run_id)).mappings().first()
         if row is None:
             raise RunNotFoundError(run_id)
@@ -158,11 +168,11 @@ class SqlStore:
             query = query.where(R.c.status == RunStatus(status).value)
         if agent is not None:
             query = query.where(R.c.agent == agent)
-        with self._autocommit.connect() as conn:
+        with self.engine.connect() as conn:
             return [run_from_row(r) for r in conn.execute(query).mappings()]
 
     def steps(self, run_id: str) -> list[Step]:
-        with self._autocommit.connect() as conn:
+        with self.engine.connect() as conn:
             key = self._require(conn, run_id)["key"]
             rows = conn.execute(sa.select(S).where(S.c.run_key == key).order_by(S.c.idx))
             return [step_from_row(run_id, r) for r in rows.mappings()]
@@ -180,7 +190,7 @@ class SqlStore:
         return [r[0] for r in conn.execute(query)]
 
     def checkpoint(self, run_id: str) -> Checkpoint | None:
-        with self._autocommit.connect() as conn:
+        with self.engine.connect() as conn:
             row = self._require(conn, run_id)
             if row["checkpoint_step"] is None:
                 return None
@@ -194,7 +204,7 @@ class SqlStore:
             )
 
     def transcript(self, run_id: str) -> Transcript:
-        with self._autocommit.connect() as conn:
+        with self.engine.connect() as conn:
             return self._transcript(conn, self._require(conn, run_id))
 
     def _transcript(self, conn: Connection, row: RowMapping) -> Transcript:
@@ -214,7 +224,7 @@ class SqlStore:
         )
 
     def pending(self, run_id: str) -> dict[str, Any] | None:
-        with self._autocommit.connect() as conn:
+        with self.engine.connect() as conn:
             row = conn.execute(sa.select(R.c.pending).where(R.c.id == run_id)).first()
         if row is None:
             raise RunNotFoundError(run_id)
@@ -222,7 +232,7 @@ class SqlStore:
 
     def thread_history(self, thread: str, before_run: str) -> list[dict[str, Any]]:
         """The transcript of the thread's latest completed run other than ``before_run``."""
-        with self._autocommit.connect() as conn:
+        with self.engine.connect() as conn:
             prev = conn.execute(
                 sa.select(R.c.key, R.c.checkpoint_messages)
                 .where(
@@ -242,8 +252,8 @@ class SqlStore:
     def claim(self, run_id: str, owner: str, expires_at: datetime) -> Claimed | None:
         """queued -> running with a new epoch; None if not queued or its key is busy."""
         now = utcnow()
-        if self._fast is not None:
-            fast = self._fast.claim(run_id, owner, expires_at, now)
+        if self.statements is not None:
+            fast = self.statements.claim(run_id, owner, expires_at, now)
             if fast is None:
                 return None
             start = self._transcript_of(fast, fast["messages"] or [])
@@ -275,7 +285,7 @@ class SqlStore:
             .returning(*R.c)
         )
         try:
-            with self.engine.begin() as conn:
+            with self._atomic.begin() as conn:
                 row = conn.execute(stmt).mappings().first()
                 if row is None:
                     return None
@@ -287,12 +297,12 @@ class SqlStore:
 
     def renew_claim(self, run_id: str, epoch: int, expires_at: datetime) -> bool | None:
         """Extend the claim; None if this epoch lost the run, else its ``cancel_requested``."""
-        with self._autocommit.begin() as conn:
+        with self.engine.begin() as conn:
             row = conn.execute(
                 R.update()
                 .where(
                     R.c.id == run_id,
-                    R.c.status == RunStatus.RUNNING.value,
+                    _status_of_one == RunStatus.RUNNING.value,
                     R.c.epoch == epoch,
                 )
                 .values(claim_expires_at=expires_at)
@@ -307,8 +317,8 @@ class SqlStore:
         that raises ``LeaseLostError``. Other guards return None.
         """
         now = utcnow()
-        if self._fast is not None:
-            row = self._fast.commit(run.id, guard, commit, now)
+        if self.statements is not None:
+            row = self.statements.commit(run.id, guard, commit, now)
             if row is None:
                 if guard.status == RunStatus.RUNNING:
                     raise LeaseLostError(run.id)
@@ -362,14 +372,14 @@ class SqlStore:
             values["claim_owner"] = None
             values["claim_expires_at"] = None
 
-        stmt = R.update().where(R.c.id == run_id, R.c.status == guard.status.value)
+        stmt = R.update().where(R.c.id == run_id, _status_of_one == guard.status.value)
         if guard.epoch is not None:
             stmt = stmt.where(R.c.epoch == guard.epoch)
         if guard.token_id is not None:
             stmt = stmt.where(R.c.waiting["token_id"].as_string() == guard.token_id)
         stmt = stmt.values(**values).returning(*R.c)
 
-        with self.engine.begin() as conn:
+        with self._atomic.begin() as conn:
             row = conn.execute(stmt).mappings().first()
             if row is None:
                 if guard.status == RunStatus.RUNNING:
@@ -409,13 +419,13 @@ class SqlStore:
     def request_cancel(self, run_id: str) -> Run:
         """Cancel a queued, waiting or interrupted run at once; flag a running one."""
         now = utcnow()
-        with self.engine.begin() as conn:
+        with self._atomic.begin() as conn:
             stoppable = [RunStatus.QUEUED.value, RunStatus.WAITING.value]
             stoppable.append(RunStatus.INTERRUPTED.value)
             row = (
                 conn.execute(
                     R.update()
-                    .where(R.c.id == run_id, R.c.status.in_(stoppable))
+                    .where(R.c.id == run_id, _status_of_one.in_(stoppable))
                     .values(
                         status=RunStatus.CANCELLED.value,
                         waiting=None,
@@ -433,7 +443,7 @@ class SqlStore:
                 row = (
                     conn.execute(
                         R.update()
-                        .where(R.c.id == run_id, R.c.status == RunStatus.RUNNING.value)
+                        .where(R.c.id == run_id, _status_of_one == RunStatus.RUNNING.value)
                         .values(cancel_requested=True, updated_at=now)
                         .returning(*R.c)
                     )
@@ -447,7 +457,7 @@ class SqlStore:
     # -- effect records --------------------------------------------------------
 
     def effects(self, run_id: str) -> dict[str, EffectRecord]:
-        with self._autocommit.connect() as conn:
+        with self.engine.connect() as conn:
             rows = conn.execute(sa.select(E).where(E.c.run_id == run_id)).mappings()
             return {
                 r["tool_call_id"]: EffectRecord(
@@ -465,7 +475,7 @@ class SqlStore:
         # Locks the run row for the transaction, so a new claim waits for this write.
         result = conn.execute(
             R.update()
-            .where(R.c.id == run_id, R.c.status == RunStatus.RUNNING.value, R.c.epoch == epoch)
+            .where(R.c.id == run_id, _status_of_one == RunStatus.RUNNING.value, R.c.epoch == epoch)
             .values(epoch=R.c.epoch)
         )
         if result.rowcount != 1:
@@ -475,7 +485,7 @@ class SqlStore:
         self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
     ) -> None:
         """Record the intent to call an effect tool (kept if one is already recorded)."""
-        with self.engine.begin() as conn:
+        with self._atomic.begin() as conn:
             self._fence(conn, run_id, epoch)
             conn.execute(
                 self._insert(E)
@@ -493,7 +503,7 @@ class SqlStore:
     def finish_effect(
         self, run_id: str, epoch: int, tool_call_id: str, result: Any, is_error: bool
     ) -> None:
-        with self.engine.begin() as conn:
+        with self._atomic.begin() as conn:
             self._fence(conn, run_id, epoch)
             conn.execute(
                 E.update()
@@ -512,7 +522,7 @@ class SqlStore:
                 sa.and_(R.c.status == RunStatus.QUEUED.value, R.c.updated_at < queued_before),
             )
         ).order_by(R.c.created_at)
-        with self._autocommit.connect() as conn:
+        with self.engine.connect() as conn:
             return [
                 RunRef(
                     id=r.id,
@@ -527,7 +537,7 @@ class SqlStore:
     def requeue(self, ref: RunRef) -> Run | None:
         """Put a run back to queued if it is still exactly as swept (so one sweeper wins)."""
         stmt = R.update().where(
-            R.c.id == ref.id, R.c.status == ref.status.value, R.c.epoch == ref.epoch
+            R.c.id == ref.id, _status_of_one == ref.status.value, R.c.epoch == ref.epoch
         )
         if ref.status == RunStatus.QUEUED:
             stmt = stmt.where(R.c.updated_at == ref.updated_at)
@@ -542,7 +552,7 @@ class SqlStore:
         return run_from_row(row) if row is not None else None
 
     def next_queued(self, concurrency_key: str) -> str | None:
-        with self._autocommit.connect() as conn:
+        with self.engine.connect() as conn:
             row = conn.execute(
                 sa.select(R.c.id)
                 .where(
@@ -555,7 +565,7 @@ class SqlStore:
             return row[0] if row else None
 
     def waiting_runs(self) -> list[Run]:
-        with self._autocommit.connect() as conn:
+        with self.engine.connect() as conn:
             rows = conn.execute(
                 sa.select(R).where(R.c.status == RunStatus.WAITING.value).order_by(R.c.created_at)
             ).mappings()

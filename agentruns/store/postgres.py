@@ -42,7 +42,14 @@ WRITE_RETURNS = (
 
 
 def _sql(name: str) -> str:
-    return (Path(__file__).parent / name).read_text()
+    """A statement file without its comments and indentation: the files explain, the
+    server needs none of it, and psycopg caches the parsing of short statements
+    only (up to 4 KiB): a longer one is parsed again on every execution."""
+    text = (Path(__file__).parent / name).read_text()
+    lines = (line.split("--", 1)[0].strip() for line in text.splitlines())
+    statement = " ".join(line for line in lines if line)
+    assert len(statement.encode()) <= 4096, f"{name} is too long to be cached by psycopg"
+    return statement
 
 
 COMMIT_SQL = _sql("commit.sql").format(returns=", ".join(WRITE_RETURNS))

@@ -12,6 +12,8 @@ class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="AGENTRUNS_", extra="ignore")
 
     database_url: str = "sqlite:///agentruns.db"
+    # Postgres connections one process keeps at most (opened as needed, then kept).
+    database_pool_size: int = Field(default=30, ge=1)
     redis_url: str | None = None
     broker_url: str | None = None
     secret: str | None = None

@@ -40,7 +40,7 @@ def engine_from_settings(settings: Settings | None = None, **overrides: Any) -> 
 
     s = settings or get_settings()
     kwargs: dict[str, Any] = {
-        "store": SqlStore(s.database_url),
+        "store": SqlStore(s.database_url, pool_size=s.database_pool_size),
         "agents": load_agents(s.agent_modules),
         "secret": s.secret,
         "slots": s.slots,

@@ -209,3 +209,26 @@ def test_the_hot_statements_find_their_run_by_id_in_a_generic_plan(
     assert "agentruns_runs_id_key" in plan, plan
     assert "agentruns_runs_status" not in plan, plan
     store.close()
+
+
+def test_a_store_keeps_the_connections_it_opens_up_to_its_pool_size(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentruns.settings import Settings
+    from agentruns.wiring import engine_from_settings
+
+    # A burst opens connections once; none is closed after it (no overflow churn).
+    store = SqlStore(db_url)
+    assert store.engine.pool.size() == 30  # type: ignore[attr-defined]
+    conns = [store.engine.raw_connection() for _ in range(12)]
+    for conn in conns:
+        conn.close()
+    assert store.engine.pool.checkedin() == 12  # type: ignore[attr-defined]
+    store.close()
+
+    monkeypatch.setenv("AGENTRUNS_DATABASE_POOL_SIZE", "7")
+    monkeypatch.delenv("AGENTRUNS_REDIS_URL", raising=False)
+    settings = Settings(database_url=db_url, agents="workers.triage", secret="s")
+    engine = engine_from_settings(settings)
+    assert engine.store.engine.pool.size() == 7  # type: ignore[attr-defined]
+    engine.close()

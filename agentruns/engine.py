@@ -45,11 +45,22 @@ from agentruns.runs import (
 )
 from agentruns.schedulers.base import Scheduler
 from agentruns.schedulers.local import LocalScheduler
-from agentruns.store.base import Commit, Committed, Guard, NewRun, NewStep, RunRef, Store
+from agentruns.store.base import (
+    Claimed,
+    Commit,
+    Committed,
+    Guard,
+    NewRun,
+    NewStep,
+    RunRef,
+    Store,
+)
 from agentruns.store.sql import SqlStore
 
 log = logging.getLogger("agentruns")
 
+# How long an execution waits for a free slot before looking again (drain, fallback).
+_SLOT_WAIT_S = 0.2
 _INFRASTRUCTURE = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
@@ -142,9 +153,78 @@ class Engine:
     ) -> Run:
         """Store a queued run and schedule it; the same idempotency key returns the same run.
 
-        ``schedule=False`` leaves the scheduling to the caller (a worker that
-        executes the run itself, right away).
+        ``schedule=False`` leaves the scheduling to the caller.
         """
+        new = self._new_run(agent, trigger, idempotency_key, concurrency_key, thread, budget)
+        run, created = self.store.create_run(new)
+        if created:
+            self.events.run_updated(run)
+        if schedule and run.status is RunStatus.QUEUED:
+            # Also for a duplicate: its first dispatcher may have died before scheduling.
+            self.scheduler.schedule(run.id)
+        return run
+
+    def dispatch_here(
+        self,
+        agent: str | Agent,
+        trigger: TriggerEnvelope | dict[str, Any],
+        *,
+        idempotency_key: str | None = None,
+        concurrency_key: str | None = None,
+        thread: str | None = None,
+        budget: Budget | dict[str, Any] | None = None,
+    ) -> Run:
+        """Store a run and execute it in this process, now (what a Celery worker's
+        dispatch task does): one message per run instead of a dispatch and an execute.
+
+        A run no concurrency key holds back is stored already claimed, in one
+        write. Otherwise, or without a free slot soon enough, or when this engine
+        cannot take it (draining, Redis unreachable), it is stored queued and
+        returned as such: the caller schedules it. A duplicate is executed if it
+        is still queued.
+        """
+        new = self._new_run(agent, trigger, idempotency_key, concurrency_key, thread, budget)
+        if new.concurrency_key is None and self._slots.acquire(timeout=_SLOT_WAIT_S):
+            try:
+                claimed = self._create_claimed(new)
+                if claimed is not None:
+                    return self._run_claimed(claimed)
+            finally:
+                self._slots.release()
+        run, created = self.store.create_run(new)
+        if created:
+            self.events.run_updated(run)
+        if run.status is RunStatus.QUEUED and not self._draining:
+            return self.execute(run.id)
+        return run
+
+    def _create_claimed(self, new: NewRun) -> Claimed | None:
+        """``new`` stored claimed by this engine, with its lease; None if it cannot be."""
+        try:
+            if self._draining or not self.leases.acquire(new.id, self.owner, self.lease_ttl):
+                return None
+        except Exception as exc:
+            self.report(exc)
+            return None
+        try:
+            claimed = self.store.create_claimed(new, self.owner, self._keeper.expiry())
+        except Exception:
+            self._release_lease(new.id)
+            raise
+        if claimed is None:  # the idempotency key is taken: that run goes the usual way
+            self._release_lease(new.id)
+        return claimed
+
+    def _new_run(
+        self,
+        agent: str | Agent,
+        trigger: TriggerEnvelope | dict[str, Any],
+        idempotency_key: str | None,
+        concurrency_key: str | None,
+        thread: str | None,
+        budget: Budget | dict[str, Any] | None,
+    ) -> NewRun:
+        """The run a dispatch stores, or the error its input gets (storing nothing)."""
         name = agent.name if isinstance(agent, Agent) else agent
         found = self._agents.get(name)
         if found is None:
@@ -159,23 +239,15 @@ class Engine:
             limits = Budget.model_validate(budget) if isinstance(budget, dict) else budget
         except ValidationError as exc:
             raise InvalidTriggerError(f"invalid budget: {exc}") from None
-        run, created = self.store.create_run(
-            NewRun(
-                id=str(uuid.uuid4()),
-                agent=name,
-                trigger=envelope,
-                idempotency_key=idempotency_key if idempotency_key is not None else envelope.id,
-                concurrency_key=concurrency_key,
-                thread=thread,
-                budget=limits,
-            )
+        return NewRun(
+            id=str(uuid.uuid4()),
+            agent=name,
+            trigger=envelope,
+            idempotency_key=idempotency_key if idempotency_key is not None else envelope.id,
+            concurrency_key=concurrency_key,
+            thread=thread,
+            budget=limits,
         )
-        if created:
-            self.events.run_updated(run)
-        if schedule and run.status is RunStatus.QUEUED:
-            # Also for a duplicate: its first dispatcher may have died before scheduling.
-            self.scheduler.schedule(run.id)
-        return run
 
     # -- executing -------------------------------------------------------------------
 
@@ -183,7 +255,7 @@ class Engine:
         """One execution of a queued run; does nothing if another engine has it."""
         # No read first: the claim is the check (a run that is not queued, or not
         # there, costs a lease round trip and a claim that matches nothing).
-        while not self._slots.acquire(timeout=0.2):
+        while not self._slots.acquire(timeout=_SLOT_WAIT_S):
             if self._draining:
                 return self.store.get_run(run_id)
         try:
@@ -206,7 +278,12 @@ class Engine:
         if claimed is None:
             self._release_lease(run_id)
             return self.store.get_run(run_id)
+        return self._run_claimed(claimed)
+
+    def _run_claimed(self, claimed: Claimed) -> Run:
+        """Execute a run this engine claimed and holds the lease of; then let both go."""
         run = claimed.run
+        run_id = run.id
         try:
             self.events.run_updated(run)
             agent = self._agents.get(run.agent)

@@ -68,12 +68,13 @@ def dispatch(
     thread: str | None = None,
     budget: dict[str, Any] | None = None,
 ) -> str:
-    """Store a queued run and execute it here; returns the run id.
+    """Store the run and execute it here; returns the run id.
 
     The worker that stores the run runs it right away: one message per run
-    instead of a dispatch and an execute. The claim still decides; a run this
-    worker cannot take now (a busy concurrency key, a shutdown) gets an
-    ``execute`` nudge instead. Without an idempotency key or a trigger id, the
+    instead of a dispatch and an execute, and a run no concurrency key holds
+    back is stored already claimed. The claim still decides; a run this worker
+    cannot take now (a busy concurrency key, a shutdown) gets an ``execute``
+    nudge instead. Without an idempotency key or a trigger id, the
     message's own id is the key, so a redelivered or retried message does not
     store a second run.
     """
@@ -81,17 +82,16 @@ def dispatch(
         idempotency_key = f"task:{self.request.id}"
     engine = get_engine()
     with _retrying_outages(self):
-        run = engine.dispatch(
-            agent,
-            trigger,
-            idempotency_key=idempotency_key,
-            concurrency_key=concurrency_key,
-            thread=thread,
-            budget=budget,
-            schedule=False,
-        )
-        if run.status is RunStatus.QUEUED and not shutting_down():
-            run = engine.execute(run.id)
+        kwargs: dict[str, Any] = {
+            "idempotency_key": idempotency_key,
+            "concurrency_key": concurrency_key,
+            "thread": thread,
+            "budget": budget,
+        }
+        if shutting_down():
+            run = engine.dispatch(agent, trigger, **kwargs, schedule=False)
+        else:
+            run = engine.dispatch_here(agent, trigger, **kwargs)
         if run.status is RunStatus.QUEUED:
             engine.scheduler.schedule(run.id)
     return run.id

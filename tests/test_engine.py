@@ -515,3 +515,36 @@ def test_only_the_tool_results_write_may_skip_the_wal_flush(make_engine: EngineF
 
     assert [answers_tools(w) for w in writes] == [False, True, False, True, False]
     assert [w.durable for w in writes] == [not answers_tools(w) for w in writes]
+
+
+def test_dispatch_here_stores_the_run_claimed_and_executes_it_at_once(
+    make_engine: EngineFactory,
+) -> None:
+    model = ScriptedModel([tool_use("search_issues", {"query": "a"}), text("Done.")])
+    engine = make_engine([Agent("triage", model, tools=[search_issues])])
+    statuses: list[str] = []
+    engine.on("run.updated", lambda e: statuses.append(e.run.status.value if e.run else ""))
+
+    run = engine.dispatch_here("triage", trigger({}), idempotency_key="here-1")
+    assert run.status is RunStatus.COMPLETED and run.output == "Done."
+    # Never seen queued: stored running (epoch 1) by the engine that executes it.
+    assert statuses[0] == "running" and "queued" not in statuses
+    # A duplicate finds the same run and does not execute it again.
+    again = engine.dispatch_here("triage", trigger({}), idempotency_key="here-1")
+    assert again.id == run.id and again.status is RunStatus.COMPLETED
+    assert len(model.calls) == 2
+
+
+def test_dispatch_here_claims_a_keyed_run_in_turn(make_engine: EngineFactory) -> None:
+    engine = make_engine(
+        [Agent("triage", ScriptedModel([text("ok")]))], scheduler=ManualScheduler()
+    )
+    older = engine.dispatch("triage", trigger({}), concurrency_key="k")
+    # An older run of the key is queued: this one is stored queued, for the caller to schedule.
+    newer = engine.dispatch_here("triage", trigger({}), concurrency_key="k")
+    assert newer.status is RunStatus.QUEUED
+    assert engine.execute(older.id).status is RunStatus.COMPLETED
+    assert engine.dispatch_here("triage", trigger({}), concurrency_key="k").status is (
+        RunStatus.QUEUED  # the newer one is still first in line
+    )
+    assert engine.execute(newer.id).status is RunStatus.COMPLETED

@@ -48,17 +48,16 @@ WITH run AS (
     INSERT INTO agentruns_messages (run_key, seq, body)
     SELECT run.key, run.message_count - %(n_messages)s + m.ord - 1, m.body
     FROM run, json_array_elements(%(messages)s::json) WITH ORDINALITY AS m(body, ord)
-), durability AS (
+), lazy AS (
     -- A write marked not durable (the tool results of a step: a recovery repeats
     -- them) commits without waiting for its WAL flush. Only a crash of Postgres
     -- itself can lose it, and then also nothing written after it; the run's next
     -- durable write flushes it. set_config(..., true) lasts for this statement's
-    -- own transaction, i.e. until its commit.
-    SELECT set_config('synchronous_commit',
-                      CASE WHEN %(durable)s THEN current_setting('synchronous_commit')
-                           ELSE 'off' END,
-                      true) AS synchronous_commit
+    -- own transaction, i.e. until its commit. A durable write leaves this CTE
+    -- unreferenced, so it is not evaluated at all.
+    SELECT set_config('synchronous_commit', 'off', true) AS synchronous_commit
 )
 -- Only what a write can change: the caller already holds the rest of the run.
--- (The column list is store/postgres.py's WRITE_RETURNS.)
-SELECT {returns} FROM run, durability
+-- (The column list is store/postgres.py's WRITE_RETURNS; {lazy} is ", lazy" in
+-- the statement for writes that are not durable, else empty.)
+SELECT {returns} FROM run{lazy}

@@ -1,10 +1,12 @@
--- Store a new queued run (Postgres); a run with the same idempotency key already
--- stored makes this return nothing (the caller then reads that one).
+-- Store a new run (Postgres): queued, or already claimed by the worker that stores
+-- it and executes it at once (running, epoch 1). A run with the same idempotency
+-- key already stored makes this return nothing (the caller then reads that one).
 INSERT INTO agentruns_runs
     (id, agent, status, trigger, idempotency_key, concurrency_key, thread, budget,
-     created_at, updated_at)
+     epoch, claim_owner, claim_expires_at, created_at, updated_at, started_at)
 VALUES
-    (%(id)s, %(agent)s, 'queued', %(trigger)s::json, %(idempotency_key)s, %(concurrency_key)s,
-     %(thread)s, %(budget)s::json, %(now)s, %(now)s)
+    (%(id)s, %(agent)s, %(status)s, %(trigger)s::json, %(idempotency_key)s,
+     %(concurrency_key)s, %(thread)s, %(budget)s::json,
+     %(epoch)s, %(claim_owner)s, %(claim_expires_at)s, %(now)s, %(now)s, %(started_at)s)
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING *

@@ -52,7 +52,9 @@ def _sql(name: str) -> str:
     return statement
 
 
-COMMIT_SQL = _sql("commit.sql").format(returns=", ".join(WRITE_RETURNS))
+_COMMIT = _sql("commit.sql")
+COMMIT_SQL = _COMMIT.format(returns=", ".join(WRITE_RETURNS), lazy="")
+COMMIT_LAZY_SQL = _COMMIT.format(returns=", ".join(WRITE_RETURNS), lazy=", lazy")
 CLAIM_SQL = _sql("claim.sql")
 CREATE_SQL = _sql("create.sql")
 
@@ -63,18 +65,26 @@ class Statements:
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
 
-    def create(self, new: NewRun, now: datetime) -> dict[str, Any] | None:
-        """The new run's row, or None if its idempotency key is taken."""
+    def create(
+        self, new: NewRun, now: datetime, claim: tuple[str, datetime] | None = None
+    ) -> dict[str, Any] | None:
+        """The new run's row (queued, or running under ``claim``: owner and expiry), or
+        None if its idempotency key is taken."""
         return self.row(
             CREATE_SQL,
             {
                 "id": new.id,
                 "agent": new.agent,
+                "status": "queued" if claim is None else "running",
                 "trigger": dumps(new.trigger.model_dump(mode="json")),
                 "idempotency_key": new.idempotency_key,
                 "concurrency_key": new.concurrency_key,
                 "thread": new.thread,
                 "budget": dumps(new.budget.model_dump(mode="json")) if new.budget else None,
+                "epoch": 0 if claim is None else 1,
+                "claim_owner": None if claim is None else claim[0],
+                "claim_expires_at": None if claim is None else claim[1],
+                "started_at": None if claim is None else now,
                 "now": now,
             },
         )
@@ -93,7 +103,8 @@ class Statements:
         self, run_id: str, guard: Guard, commit: Commit, now: datetime
     ) -> dict[str, Any] | None:
         """Apply one guarded write; the changed columns (``WRITE_RETURNS``), or None on a miss."""
-        return self.row(COMMIT_SQL, commit_params(run_id, guard, commit, now), WRITE_RETURNS)
+        sql = COMMIT_SQL if commit.durable else COMMIT_LAZY_SQL
+        return self.row(sql, commit_params(run_id, guard, commit, now), WRITE_RETURNS)
 
     def row(
         self, sql: str, params: dict[str, Any], names: tuple[str, ...] | None = None
@@ -145,7 +156,6 @@ def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> d
         "guard_status": guard.status.value,
         "guard_epoch": guard.epoch,
         "guard_token": guard.token_id,
-        "durable": commit.durable,
         "n_steps": len(commit.steps),
         "n_messages": len(commit.messages),
         "model_calls": commit.model_calls,

@@ -106,43 +106,56 @@ class SqlStore:
     # -- runs --------------------------------------------------------------
 
     def create_run(self, new: NewRun) -> tuple[Run, bool]:
-        now = utcnow()
-        if self.statements is not None:
-            created = self.statements.create(new, now)
-            if created is not None:
-                return run_from_row(created), True
-            with self.engine.connect() as conn:
-                existing = (
-                    conn.execute(sa.select(R).where(R.c.idempotency_key == new.idempotency_key))
-                    .mappings()
-                    .one()
-                )
-            return run_from_row(existing), False
-        values = {
-            "id": new.id,
-            "agent": new.agent,
-            "status": RunStatus.QUEUED.value,
-            "trigger": new.trigger.model_dump(mode="json"),
-            "idempotency_key": new.idempotency_key,
-            "concurrency_key": new.concurrency_key,
-            "thread": new.thread,
-            "budget": new.budget.model_dump(mode="json") if new.budget else None,
-            "created_at": now,
-            "updated_at": now,
-        }
-        insert = self._insert(R).values(**values)
-        if new.idempotency_key is not None:
-            insert = insert.on_conflict_do_nothing(index_elements=["idempotency_key"])
-        with self._atomic.begin() as conn:
-            row = conn.execute(insert.returning(*R.c)).mappings().first()
-            if row is not None:
-                return run_from_row(row), True
+        """Store a queued run; with an idempotency key already stored, that run instead."""
+        row = self._create(new, None)
+        if row is not None:
+            return run_from_row(row), True
+        with self.engine.connect() as conn:
             existing = (
                 conn.execute(sa.select(R).where(R.c.idempotency_key == new.idempotency_key))
                 .mappings()
                 .one()
             )
-            return run_from_row(existing), False
+        return run_from_row(existing), False
+
+    def create_claimed(self, new: NewRun, owner: str, expires_at: datetime) -> Claimed | None:
+        """Store a run already claimed by ``owner`` (running, epoch 1), for the worker that
+        executes it at once; None, storing nothing, if its idempotency key is taken."""
+        if new.concurrency_key is not None:
+            raise ValueError("a run with a concurrency key is claimed in turn, not on creation")
+        row = self._create(new, (owner, expires_at))
+        if row is None:
+            return None
+        start = self._transcript_of(row, [])
+        return Claimed(run=run_from_row(row), epoch=row["epoch"], transcript=start)
+
+    def _create(
+        self, new: NewRun, claim: tuple[str, datetime] | None
+    ) -> dict[str, Any] | RowMapping | None:
+        now = utcnow()
+        if self.statements is not None:
+            return self.statements.create(new, now, claim)
+        values = {
+            "id": new.id,
+            "agent": new.agent,
+            "status": (RunStatus.QUEUED if claim is None else RunStatus.RUNNING).value,
+            "trigger": new.trigger.model_dump(mode="json"),
+            "idempotency_key": new.idempotency_key,
+            "concurrency_key": new.concurrency_key,
+            "thread": new.thread,
+            "budget": new.budget.model_dump(mode="json") if new.budget else None,
+            "epoch": 0 if claim is None else 1,
+            "claim_owner": None if claim is None else claim[0],
+            "claim_expires_at": None if claim is None else claim[1],
+            "created_at": now,
+            "updated_at": now,
+            "started_at": None if claim is None else now,
+        }
+        insert = self._insert(R).values(**values)
+        if new.idempotency_key is not None:
+            insert = insert.on_conflict_do_nothing(index_elements=["idempotency_key"])
+        with self._atomic.begin() as conn:
+            return conn.execute(insert.returning(*R.c)).mappings().first()
 
     def _insert(self, table: sa.Table) -> Any:
         if self.engine.dialect.name == "postgresql":

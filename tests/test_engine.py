@@ -409,6 +409,9 @@ def test_embedded_default_runs_on_sqlite_with_local_leases(
     assert engine.idle(20)
     assert all(engine.get_run(r.id).status is RunStatus.COMPLETED for r in runs)
     assert [s.kind for s in engine.steps(runs[0].id)] == ["llm", "tool", "llm"]
+    here = engine.dispatch_here("a", trigger({"n": 9}), idempotency_key="here")
+    assert here.status is RunStatus.COMPLETED
+    assert engine.dispatch_here("a", trigger({"n": 9}), idempotency_key="here").id == here.id
 
 
 def test_a_run_whose_agent_is_no_longer_registered_fails_with_unknown_agent(

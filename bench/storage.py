@@ -80,7 +80,6 @@ def measure(repeat: int, quick: bool) -> list[Figure]:
                 run_id = engine.dispatch(agent.name, workload.trigger(i)).id
                 engine.execute(run_id)
                 workload.check_completed(engine, run_id, STEPS)
-                agent.model.calls.clear()  # type: ignore[attr-defined]
         finally:
             engine.close()
         if errors:

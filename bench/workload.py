@@ -27,8 +27,13 @@ def script(steps: int) -> list[dict[str, Any]]:
 def agent(name: str, steps: int, latency_s: float = 0.0) -> Agent:
     return Agent(
         name,
+        # Without keep_calls, a worker would hold every transcript of the benchmark
+        # (and collect garbage through them): instrumentation a real model has not.
         ScriptedModel(
-            script(steps), usage=Usage(input_tokens=10, output_tokens=5), latency_s=latency_s
+            script(steps),
+            usage=Usage(input_tokens=10, output_tokens=5),
+            latency_s=latency_s,
+            keep_calls=False,
         ),
         instructions="Echo the text you are given.",
         tools=[echo],

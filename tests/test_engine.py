@@ -551,3 +551,17 @@ def test_dispatch_here_claims_a_keyed_run_in_turn(make_engine: EngineFactory) ->
         RunStatus.QUEUED  # the newer one is still first in line
     )
     assert engine.execute(newer.id).status is RunStatus.COMPLETED
+
+
+def test_a_scripted_model_for_a_worker_keeps_no_transcripts(make_engine: EngineFactory) -> None:
+    kept = ScriptedModel([tool_use("search_issues", {"query": "a"}), text("Done.")])
+    lean = ScriptedModel(
+        [tool_use("search_issues", {"query": "a"}), text("Done.")], keep_calls=False
+    )
+    engine = make_engine(
+        [Agent("kept", kept, tools=[search_issues]), Agent("lean", lean, tools=[search_issues])]
+    )
+    runs = [engine.dispatch(name, trigger({})) for name in ("kept", "lean")]
+    assert engine.idle(10)
+    assert all(engine.get_run(r.id).output == "Done." for r in runs)
+    assert [len(m) for m in kept.calls] == [1, 3] and lean.calls == []

@@ -127,8 +127,12 @@ SCRIPT_LENGTH = 4  # model calls in the scripted conversation
 
 
 def scripted_model(latency_s: float = 0.0) -> ScriptedModel:
+    # A worker serves this model for its whole life: it keeps no transcripts.
     return ScriptedModel(
-        script, usage=Usage(input_tokens=420, output_tokens=60), latency_s=latency_s
+        script,
+        usage=Usage(input_tokens=420, output_tokens=60),
+        latency_s=latency_s,
+        keep_calls=False,
     )
 
 

@@ -31,7 +31,10 @@ class ScriptedModel:
     """Response *i* answers a transcript holding *i* assistant messages.
 
     So a recovered run gets the same response in any process; past the end of
-    the script the last response repeats.
+    the script the last response repeats. ``calls`` holds the transcript of
+    every call, for tests; ``keep_calls=False`` leaves it empty, for a model
+    that serves a long-running worker (which would otherwise keep every
+    transcript it was ever given, and spend its garbage collections on them).
     """
 
     def __init__(
@@ -41,6 +44,7 @@ class ScriptedModel:
         usage: Usage | None = None,
         latency_s: float = 0.0,
         name: str = "scripted",
+        keep_calls: bool = True,
     ) -> None:
         if not callable(script) and len(script) == 0:
             raise ValueError("ScriptedModel needs at least one response")
@@ -49,6 +53,7 @@ class ScriptedModel:
         self._latency_s = latency_s
         self._name = name
         self.calls: list[list[dict[str, Any]]] = []
+        self._keep_calls = keep_calls
         self._lock = threading.Lock()
 
     @property
@@ -57,8 +62,9 @@ class ScriptedModel:
 
     def complete(self, request: ModelRequest, signal: threading.Event) -> ModelResponse:
         messages = request.messages
-        with self._lock:
-            self.calls.append(list(messages))
+        if self._keep_calls:
+            with self._lock:
+                self.calls.append(list(messages))
         if self._latency_s and signal.wait(self._latency_s):
             raise ModelAborted("aborted")
         if signal.is_set():

@@ -178,10 +178,11 @@ class Engine:
         dispatch task does): one message per run instead of a dispatch and an execute.
 
         A run no concurrency key holds back is stored already claimed, in one
-        write. Otherwise, or without a free slot soon enough, or when this engine
-        cannot take it (draining, Redis unreachable), it is stored queued and
-        returned as such: the caller schedules it. A duplicate is executed if it
-        is still queued.
+        write. Any other run (one with a key, a duplicate, or one that found no
+        free slot soon enough) is stored queued and then executed here as
+        ``execute`` would, if this engine can claim it. A run returned queued (its
+        key is busy, this engine is draining or cannot reach Redis) is for the
+        caller to schedule.
         """
         new = self._new_run(agent, trigger, idempotency_key, concurrency_key, thread, budget)
         if new.concurrency_key is None and self._slots.acquire(timeout=_SLOT_WAIT_S):

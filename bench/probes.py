@@ -45,7 +45,7 @@ class Counter:
         sa.event.listen(self._db, "commit", self._commit)
         # The Postgres hot path runs its statements on driver connections, past
         # SQLAlchemy's events: count them where they are sent.
-        self._statements: Any = store.statements
+        self._statements: Any = store.writes if hasattr(store.writes, "row") else None
         self._row = self._statements.row if self._statements is not None else None
 
         def row(sql: str, *args: Any, **kwargs: Any) -> Any:

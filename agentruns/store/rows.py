@@ -64,7 +64,7 @@ def run_updated(base: Run, row: dict[str, Any]) -> Run:
     """``base`` with the columns a write returned (no re-validation of the rest)."""
     claim = None
     if row["claim_owner"] is not None and row["claim_expires_at"] is not None:
-        claim = Claim(owner=row["claim_owner"], expires_at=row["claim_expires_at"])
+        claim = Claim(owner=row["claim_owner"], expires_at=aware(row["claim_expires_at"]))
     usage = base.usage
     if (row["input_tokens"], row["output_tokens"]) != (usage.input_tokens, usage.output_tokens):
         usage = Usage(
@@ -84,9 +84,9 @@ def run_updated(base: Run, row: dict[str, Any]) -> Run:
             "waiting": WaitPoint.model_validate(waiting) if waiting else None,
             "claim": claim,
             "cancel_requested": row["cancel_requested"],
-            "updated_at": row["updated_at"],
-            "started_at": row["started_at"],
-            "finished_at": row["finished_at"],
+            "updated_at": aware(row["updated_at"]),
+            "started_at": aware(row["started_at"]),
+            "finished_at": aware(row["finished_at"]),
         }
     )
 

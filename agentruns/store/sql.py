@@ -1,4 +1,5 @@
-"""SqlStore: the only module that talks to the database (Postgres, or SQLite embedded)."""
+"""SqlStore: the store on Postgres, or SQLite embedded; with ``postgres.py`` and
+``transactions.py`` (its hot-path writes), the only code that talks to the database."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection, RowMapping
-from sqlalchemy.exc import IntegrityError, OperationalError, ProgrammingError
+from sqlalchemy.exc import OperationalError, ProgrammingError
 
 from agentruns.errors import LeaseLostError, NotMigratedError, RunNotFoundError
 from agentruns.runs import (
@@ -19,7 +20,6 @@ from agentruns.runs import (
 )
 from agentruns.store import schema
 from agentruns.store.base import (
-    _UNSET,
     Claimed,
     Commit,
     Committed,
@@ -32,6 +32,7 @@ from agentruns.store.base import (
 from agentruns.store.connect import make_engine
 from agentruns.store.postgres import Statements
 from agentruns.store.rows import aware, new_steps, run_from_row, run_updated, step_from_row
+from agentruns.store.transactions import Transactions
 
 R = schema.runs
 S = schema.steps
@@ -53,12 +54,16 @@ class SqlStore:
         postgres = sa.make_url(url).get_backend_name() == "postgresql"
         if postgres:
             # Postgres connections autocommit: the hot path is single statements
-            # (``statements``), and reads and one-statement writes need no BEGIN and
+            # (``writes``), and reads and one-statement writes need no BEGIN and
             # COMMIT or ROLLBACK round trips. A read of two statements bounds the
             # second by the first (a message count), not by a shared snapshot.
             engine_kwargs.setdefault("isolation_level", "AUTOCOMMIT")
         self.engine = make_engine(url, **engine_kwargs)
-        self.statements = Statements(self.engine) if postgres else None
+        # The writes every run makes (create, claim, guarded writes): one statement
+        # each on Postgres, a transaction each on SQLite. Same operations, same rows.
+        self.writes: Statements | Transactions = (
+            Statements(self.engine) if postgres else Transactions(self.engine)
+        )
         # What must be atomic and takes several statements runs in a transaction.
         self._atomic = (
             self.engine.execution_options(isolation_level="READ COMMITTED")
@@ -107,7 +112,7 @@ class SqlStore:
 
     def create_run(self, new: NewRun) -> tuple[Run, bool]:
         """Store a queued run; with an idempotency key already stored, that run instead."""
-        row = self._create(new, None)
+        row = self.writes.create(new, utcnow())
         if row is not None:
             return run_from_row(row), True
         with self.engine.connect() as conn:
@@ -123,39 +128,11 @@ class SqlStore:
         executes it at once; None, storing nothing, if its idempotency key is taken."""
         if new.concurrency_key is not None:
             raise ValueError("a run with a concurrency key is claimed in turn, not on creation")
-        row = self._create(new, (owner, expires_at))
+        row = self.writes.create(new, utcnow(), (owner, expires_at))
         if row is None:
             return None
         start = self._transcript_of(row, [])
         return Claimed(run=run_from_row(row), epoch=row["epoch"], transcript=start)
-
-    def _create(
-        self, new: NewRun, claim: tuple[str, datetime] | None
-    ) -> dict[str, Any] | RowMapping | None:
-        now = utcnow()
-        if self.statements is not None:
-            return self.statements.create(new, now, claim)
-        values = {
-            "id": new.id,
-            "agent": new.agent,
-            "status": (RunStatus.QUEUED if claim is None else RunStatus.RUNNING).value,
-            "trigger": new.trigger.model_dump(mode="json"),
-            "idempotency_key": new.idempotency_key,
-            "concurrency_key": new.concurrency_key,
-            "thread": new.thread,
-            "budget": new.budget.model_dump(mode="json") if new.budget else None,
-            "epoch": 0 if claim is None else 1,
-            "claim_owner": None if claim is None else claim[0],
-            "claim_expires_at": None if claim is None else claim[1],
-            "created_at": now,
-            "updated_at": now,
-            "started_at": None if claim is None else now,
-        }
-        insert = self._insert(R).values(**values)
-        if new.idempotency_key is not None:
-            insert = insert.on_conflict_do_nothing(index_elements=["idempotency_key"])
-        with self._atomic.begin() as conn:
-            return conn.execute(insert.returning(*R.c)).mappings().first()
 
     def _insert(self, table: sa.Table) -> Any:
         if self.engine.dialect.name == "postgresql":
@@ -263,49 +240,13 @@ class SqlStore:
     # -- claims and guarded writes -------------------------------------------
 
     def claim(self, run_id: str, owner: str, expires_at: datetime) -> Claimed | None:
-        """queued -> running with a new epoch; None if not queued or its key is busy."""
-        now = utcnow()
-        if self.statements is not None:
-            fast = self.statements.claim(run_id, owner, expires_at, now)
-            if fast is None:
-                return None
-            start = self._transcript_of(fast, fast["messages"] or [])
-            return Claimed(run=run_from_row(fast), epoch=fast["epoch"], transcript=start)
-        older = R.alias("older")
-        # Oldest first per concurrency key: a run waits while an older one of its key is queued.
-        no_older = ~sa.exists(
-            sa.select(older.c.id).where(
-                older.c.concurrency_key == R.c.concurrency_key,
-                older.c.status == RunStatus.QUEUED.value,
-                sa.or_(
-                    older.c.created_at < R.c.created_at,
-                    sa.and_(older.c.created_at == R.c.created_at, older.c.id < R.c.id),
-                ),
-            )
-        )
-        stmt = (
-            R.update()
-            .where(R.c.id == run_id, R.c.status == RunStatus.QUEUED.value)
-            .where(sa.or_(R.c.concurrency_key.is_(None), no_older))
-            .values(
-                status=RunStatus.RUNNING.value,
-                epoch=R.c.epoch + 1,
-                claim_owner=owner,
-                claim_expires_at=expires_at,
-                started_at=sa.func.coalesce(R.c.started_at, now),
-                updated_at=now,
-            )
-            .returning(*R.c)
-        )
-        try:
-            with self._atomic.begin() as conn:
-                row = conn.execute(stmt).mappings().first()
-                if row is None:
-                    return None
-                # The start point comes with the claim: no second read of the run row.
-                start = self._transcript(conn, row)
-        except IntegrityError:
-            return None  # another run of the same concurrency key is running
+        """queued -> running with a new epoch; None if not queued or its key is busy.
+
+        The start point comes with the claim: no second read of the run row."""
+        row = self.writes.claim(run_id, owner, expires_at, utcnow())
+        if row is None:
+            return None
+        start = self._transcript_of(row, row["messages"] or [])
         return Claimed(run=run_from_row(row), epoch=row["epoch"], transcript=start)
 
     def renew_claim(self, run_id: str, epoch: int, expires_at: datetime) -> bool | None:
@@ -329,105 +270,12 @@ class SqlStore:
         A running guard that matches no row means another engine owns the run:
         that raises ``LeaseLostError``. Other guards return None.
         """
-        now = utcnow()
-        if self.statements is not None:
-            row = self.statements.commit(run.id, guard, commit, now)
-            if row is None:
-                if guard.status == RunStatus.RUNNING:
-                    raise LeaseLostError(run.id)
-                return None
-            return Committed(run=run_updated(run, row), steps=new_steps(row, run.id, commit))
-        return self._commit_transaction(run.id, guard, commit, now)
-
-    def _commit_transaction(
-        self, run_id: str, guard: Guard, commit: Commit, now: datetime
-    ) -> Committed | None:
-        n_steps, n_msgs = len(commit.steps), len(commit.messages)
-        values: dict[str, Any] = {"updated_at": now}
-        if n_steps:
-            values["step_count"] = R.c.step_count + n_steps
-        if n_msgs:
-            values["message_count"] = R.c.message_count + n_msgs
-        if commit.model_calls:
-            values["steps_used"] = R.c.steps_used + commit.model_calls
-        if commit.usage is not None:
-            u = commit.usage
-            values["input_tokens"] = R.c.input_tokens + u.input_tokens
-            values["output_tokens"] = R.c.output_tokens + u.output_tokens
-            values["cache_creation_input_tokens"] = (
-                R.c.cache_creation_input_tokens + u.cache_creation_input_tokens
-            )
-            values["cache_read_input_tokens"] = (
-                R.c.cache_read_input_tokens + u.cache_read_input_tokens
-            )
-        if commit.checkpoint is not None:
-            values["checkpoint_step"] = commit.checkpoint[0]
-            values["checkpoint_reason"] = commit.checkpoint[1]
-            values["checkpoint_messages"] = R.c.message_count + n_msgs
-            values["checkpoint_at"] = now
-        if commit.state is not None:
-            values["state"] = commit.state
-        if commit.pending is not _UNSET:
-            values["pending"] = commit.pending
-        if commit.status is not None:
-            values["status"] = commit.status.value
-            if commit.status.is_final:
-                values["finished_at"] = now
-        if commit.output is not None:
-            values["output"] = commit.output
-        if commit.error is not None:
-            values["error"] = commit.error.model_dump(mode="json")
-        if commit.waiting is not _UNSET:
-            values["waiting"] = (
-                commit.waiting.model_dump(mode="json") if commit.waiting is not None else None
-            )
-        if commit.release_claim:
-            values["claim_owner"] = None
-            values["claim_expires_at"] = None
-
-        stmt = R.update().where(R.c.id == run_id, _status_of_one == guard.status.value)
-        if guard.epoch is not None:
-            stmt = stmt.where(R.c.epoch == guard.epoch)
-        if guard.token_id is not None:
-            stmt = stmt.where(R.c.waiting["token_id"].as_string() == guard.token_id)
-        stmt = stmt.values(**values).returning(*R.c)
-
-        with self._atomic.begin() as conn:
-            row = conn.execute(stmt).mappings().first()
-            if row is None:
-                if guard.status == RunStatus.RUNNING:
-                    raise LeaseLostError(run_id)
-                return None
-            steps = new_steps(row, run_id, commit)
-            first_msg = row["message_count"] - n_msgs
-            key = row["key"]
-            if steps:
-                conn.execute(
-                    S.insert(),
-                    [
-                        {
-                            "run_key": key,
-                            "idx": s.index,
-                            "kind": s.kind,
-                            "name": s.name,
-                            "input": s.input,
-                            "output": s.output,
-                            "error": s.error,
-                            "started_at": s.started_at,
-                            "finished_at": s.finished_at,
-                        }
-                        for s in steps
-                    ],
-                )
-            if n_msgs:
-                conn.execute(
-                    M.insert(),
-                    [
-                        {"run_key": key, "seq": first_msg + i, "body": m}
-                        for i, m in enumerate(commit.messages)
-                    ],
-                )
-        return Committed(run=run_from_row(row), steps=steps)
+        row = self.writes.commit(run.id, guard, commit, utcnow())
+        if row is None:
+            if guard.status == RunStatus.RUNNING:
+                raise LeaseLostError(run.id)
+            return None
+        return Committed(run=run_updated(run, row), steps=new_steps(row, run.id, commit))
 
     def request_cancel(self, run_id: str) -> Run:
         """Cancel a queued, waiting or interrupted run at once; flag a running one."""

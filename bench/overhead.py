@@ -9,8 +9,8 @@ shared machine.
 Figure 1b is figure 1 on connections with ``synchronous_commit=off``: the same
 statements without waiting for the WAL flush, i.e. the engine's own cost
 (Python, round trips, Postgres CPU) apart from the disk. The detail also
-holds this machine's commit latency, measured around the batches, and the SQL
-statements and Redis commands per step.
+holds this machine's commit latency (measured around the batches), the time
+of a trivial SELECT, and the SQL statements and Redis commands per step.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from agentruns import Agent, Engine, RedisLeases, SqlStore
 from agentruns.models.base import Model, ModelRequest, ModelResponse
 from agentruns.schedulers import ManualScheduler
 from bench import workload
-from bench.probes import Counter, commit_latency_ms
+from bench.probes import Counter, commit_latency_ms, round_trip_ms
 from bench.report import Figure, median, spread
 from bench.services import REDIS_URL, fresh_database, redis_prefix
 
@@ -146,6 +146,7 @@ def measure(ids: set[str], repeat: int, quick: bool) -> list[Figure]:
                 if "1" in ids:
                     no_fsync.append(run_batch(fast, short_agent, SHORT, sizes.short_runs))
             commit_ms.append(commit_latency_ms(url))
+            select_ms = round_trip_ms(url)
             trips = {f"S={SHORT}": _round_trips(engine, short_agent, SHORT)}
             if want_long:
                 trips[f"S={LONG}"] = _round_trips(engine, long_agent, LONG)
@@ -156,7 +157,12 @@ def measure(ids: set[str], repeat: int, quick: bool) -> list[Figure]:
         raise RuntimeError(f"the engine reported errors: {errors[:3]}")
 
     short_ms = [b.median for b in shorts]
-    context = {"commit_latency_ms": spread(commit_ms), "round_trips_per_step": trips}
+    # For scale: a step is two statements, one of them waiting for the WAL flush.
+    context = {
+        "commit_latency_ms": spread(commit_ms),
+        "select_round_trip_ms": select_ms,
+        "round_trips_per_step": trips,
+    }
     figures = []
     if "1" in ids:
         figures += [
@@ -166,7 +172,8 @@ def measure(ids: set[str], repeat: int, quick: bool) -> list[Figure]:
                 unit="ms",
                 value=median(short_ms),
                 target=0.5,
-                note=f"a small commit took {median(commit_ms):.2f} ms here meanwhile (median)",
+                note=f"a small commit took {median(commit_ms):.2f} ms here meanwhile, and a"
+                f" SELECT 1 {select_ms:.2f} ms (medians); a step makes two statements",
                 detail={
                     "per_repeat_ms": short_ms,
                     "runs_per_repeat": sizes.short_runs,

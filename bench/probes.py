@@ -32,6 +32,17 @@ def commit_latency_ms(url: str, n: int = 100) -> float:
     return median(samples)
 
 
+def round_trip_ms(url: str, n: int = 200) -> float:
+    """Median time of a prepared ``SELECT 1``: the least any statement costs here."""
+    with psycopg.connect(plain(url), autocommit=True) as conn:
+        samples = []
+        for _ in range(n):
+            start = time.perf_counter()
+            conn.execute("SELECT 1", prepare=True)
+            samples.append((time.perf_counter() - start) * 1000)
+    return median(samples)
+
+
 class Counter:
     """SQL statements (by their first words), transactions and Redis commands of one engine."""
 

@@ -131,6 +131,21 @@ class RunRef:
     claim_expires_at: datetime | None
 
 
+class Writes(Protocol):
+    """The writes every run makes, as a store's backend performs them; rows are the
+    run table's columns (``claim`` adds the stored ``messages``)."""
+
+    def create(
+        self, new: NewRun, now: datetime, claim: tuple[str, datetime] | None = None
+    ) -> dict[str, Any] | None: ...
+    def claim(
+        self, run_id: str, owner: str, expires_at: datetime, now: datetime
+    ) -> dict[str, Any] | None: ...
+    def commit(
+        self, run_id: str, guard: Guard, commit: Commit, now: datetime
+    ) -> dict[str, Any] | None: ...
+
+
 class Store(Protocol):
     def check_schema(self) -> None: ...
     def create_run(self, new: NewRun) -> tuple[Run, bool]: ...

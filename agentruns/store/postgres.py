@@ -60,7 +60,7 @@ CREATE_SQL = _sql("create.sql")
 
 
 class Statements:
-    """Runs the hot-path statements on connections of a SQLAlchemy engine's pool."""
+    """The ``Writes`` of a store, as single statements on its engine's pooled connections."""
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine

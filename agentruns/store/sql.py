@@ -28,6 +28,7 @@ from agentruns.store.base import (
     NewRun,
     RunRef,
     Transcript,
+    Writes,
 )
 from agentruns.store.connect import make_engine
 from agentruns.store.postgres import Statements
@@ -61,9 +62,7 @@ class SqlStore:
         self.engine = make_engine(url, **engine_kwargs)
         # The writes every run makes (create, claim, guarded writes): one statement
         # each on Postgres, a transaction each on SQLite. Same operations, same rows.
-        self.writes: Statements | Transactions = (
-            Statements(self.engine) if postgres else Transactions(self.engine)
-        )
+        self.writes: Writes = Statements(self.engine) if postgres else Transactions(self.engine)
         # What must be atomic and takes several statements runs in a transaction.
         self._atomic = (
             self.engine.execution_options(isolation_level="READ COMMITTED")

@@ -25,7 +25,7 @@ M = schema.messages
 
 
 class Transactions:
-    """Runs the hot-path writes as transactions on a SQLAlchemy engine."""
+    """The ``Writes`` of a store, as transactions on a SQLAlchemy engine."""
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine

@@ -174,14 +174,7 @@ def measure(ids: set[str], repeat: int, quick: bool) -> list[Figure]:
                 target=0.5,
                 note=f"a small commit took {median(commit_ms):.2f} ms here meanwhile, and a"
                 f" SELECT 1 {select_ms:.2f} ms (medians); a step makes two statements",
-                detail={
-                    "per_repeat_ms": short_ms,
-                    "runs_per_repeat": sizes.short_runs,
-                    "all_runs_ms": spread([x for b in shorts for x in b.total_ms]),
-                    "model_ms_per_step": median([median(b.model_ms) for b in shorts]),
-                    "process_cpu_ms_per_step": median([median(b.cpu_ms) for b in shorts]),
-                    **context,
-                },
+                detail={**_batches_detail(shorts, sizes.short_runs), **context},
             ),
             Figure(
                 id="1b",
@@ -209,11 +202,7 @@ def measure(ids: set[str], repeat: int, quick: bool) -> list[Figure]:
                 unit="ms",
                 value=median(long_ms),
                 detail={
-                    "per_repeat_ms": long_ms,
-                    "runs_per_repeat": sizes.long_runs,
-                    "all_runs_ms": spread([x for b in longs for x in b.total_ms]),
-                    "model_ms_per_step": median([median(b.model_ms) for b in longs]),
-                    "process_cpu_ms_per_step": median([median(b.cpu_ms) for b in longs]),
+                    **_batches_detail(longs, sizes.long_runs),
                     **({} if "1" in ids else context),
                 },
             ),
@@ -227,3 +216,14 @@ def measure(ids: set[str], repeat: int, quick: bool) -> list[Figure]:
             ),
         ]
     return figures
+
+
+def _batches_detail(batches: list[Batch], runs: int) -> dict[str, Any]:
+    """What one figure's repeats were made of: per repeat, per run, model and CPU shares."""
+    return {
+        "per_repeat_ms": [b.median for b in batches],
+        "runs_per_repeat": runs,
+        "all_runs_ms": spread([x for b in batches for x in b.total_ms]),
+        "model_ms_per_step": median([median(b.model_ms) for b in batches]),
+        "process_cpu_ms_per_step": median([median(b.cpu_ms) for b in batches]),
+    }

@@ -7,7 +7,6 @@ Postgres and Redis are the real services on 127.0.0.1 (``make test`` starts them
 from __future__ import annotations
 
 import os
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -19,6 +18,7 @@ import redis
 from agentruns import Engine, LocalLeases, LocalScheduler, RedisLeases, SqlStore
 from agentruns.migrate import migrate
 from agentruns.store import schema
+from bench.cluster import wait_for as poll
 
 PG_ADMIN = os.environ.get("AGENTRUNS_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("AGENTRUNS_TEST_REDIS", "redis://127.0.0.1:6379/0")
@@ -125,15 +125,13 @@ T = TypeVar("T")
 
 
 def wait_for(check: Callable[[], T | None], what: str = "a condition", timeout: float = 20.0) -> T:
-    """Poll ``check`` until it returns something truthy; that is the result."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = check()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.02)
+    """Poll ``check`` until it returns something truthy; that is the result.
+
+    The benchmarks' poller, failing the test (not erroring it) on a timeout."""
+    try:
+        return poll(check, what, timeout)
+    except TimeoutError as exc:
+        raise AssertionError(str(exc)) from None
 
 
 def trigger(payload: Any = None, **fields: Any) -> dict[str, Any]:

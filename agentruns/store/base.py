@@ -30,6 +30,26 @@ class NewRun:
     thread: str | None
     budget: Budget | None
 
+    def columns(self, now: datetime, claim: tuple[str, datetime] | None = None) -> dict[str, Any]:
+        """The run's row as stored: queued, or running under ``claim`` (owner, expiry)
+        at epoch 1, for the worker that executes it at once."""
+        return {
+            "id": self.id,
+            "agent": self.agent,
+            "status": (RunStatus.QUEUED if claim is None else RunStatus.RUNNING).value,
+            "trigger": self.trigger.model_dump(mode="json"),
+            "idempotency_key": self.idempotency_key,
+            "concurrency_key": self.concurrency_key,
+            "thread": self.thread,
+            "budget": self.budget.model_dump(mode="json") if self.budget else None,
+            "epoch": 0 if claim is None else 1,
+            "claim_owner": None if claim is None else claim[0],
+            "claim_expires_at": None if claim is None else claim[1],
+            "created_at": now,
+            "updated_at": now,
+            "started_at": None if claim is None else now,
+        }
+
 
 @dataclass(frozen=True)
 class NewStep:

@@ -7,6 +7,7 @@ INSERT INTO agentruns_runs
 VALUES
     (%(id)s, %(agent)s, %(status)s, %(trigger)s::json, %(idempotency_key)s,
      %(concurrency_key)s, %(thread)s, %(budget)s::json,
-     %(epoch)s, %(claim_owner)s, %(claim_expires_at)s, %(now)s, %(now)s, %(started_at)s)
+     %(epoch)s, %(claim_owner)s, %(claim_expires_at)s, %(created_at)s, %(updated_at)s,
+     %(started_at)s)
 ON CONFLICT (idempotency_key) DO NOTHING
 RETURNING *

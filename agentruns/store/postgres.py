@@ -70,24 +70,10 @@ class Statements:
     ) -> dict[str, Any] | None:
         """The new run's row (queued, or running under ``claim``: owner and expiry), or
         None if its idempotency key is taken."""
-        return self.row(
-            CREATE_SQL,
-            {
-                "id": new.id,
-                "agent": new.agent,
-                "status": "queued" if claim is None else "running",
-                "trigger": dumps(new.trigger.model_dump(mode="json")),
-                "idempotency_key": new.idempotency_key,
-                "concurrency_key": new.concurrency_key,
-                "thread": new.thread,
-                "budget": dumps(new.budget.model_dump(mode="json")) if new.budget else None,
-                "epoch": 0 if claim is None else 1,
-                "claim_owner": None if claim is None else claim[0],
-                "claim_expires_at": None if claim is None else claim[1],
-                "started_at": None if claim is None else now,
-                "now": now,
-            },
-        )
+        params = new.columns(now, claim)
+        params["trigger"] = dumps(params["trigger"])
+        params["budget"] = dumps(params["budget"]) if params["budget"] is not None else None
+        return self.row(CREATE_SQL, params)
 
     def claim(
         self, run_id: str, owner: str, expires_at: datetime, now: datetime

@@ -35,22 +35,7 @@ class Transactions:
     ) -> dict[str, Any] | None:
         """The new run's row (queued, or running under ``claim``: owner and expiry), or
         None if its idempotency key is taken."""
-        insert = sqlite_insert(R).values(
-            id=new.id,
-            agent=new.agent,
-            status=(RunStatus.QUEUED if claim is None else RunStatus.RUNNING).value,
-            trigger=new.trigger.model_dump(mode="json"),
-            idempotency_key=new.idempotency_key,
-            concurrency_key=new.concurrency_key,
-            thread=new.thread,
-            budget=new.budget.model_dump(mode="json") if new.budget else None,
-            epoch=0 if claim is None else 1,
-            claim_owner=None if claim is None else claim[0],
-            claim_expires_at=None if claim is None else claim[1],
-            created_at=now,
-            updated_at=now,
-            started_at=None if claim is None else now,
-        )
+        insert = sqlite_insert(R).values(**new.columns(now, claim))
         if new.idempotency_key is not None:
             insert = insert.on_conflict_do_nothing(index_elements=["idempotency_key"])
         with self.engine.begin() as conn:

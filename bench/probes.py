@@ -59,9 +59,9 @@ class Counter:
         self._statements: Any = store.writes if hasattr(store.writes, "row") else None
         self._row = self._statements.row if self._statements is not None else None
 
-        def row(sql: str, *args: Any, **kwargs: Any) -> Any:
-            self._statement(None, None, sql)
-            return self._row(sql, *args, **kwargs)  # type: ignore[misc]
+        def row(statement: Any, *args: Any, **kwargs: Any) -> Any:
+            self._statement(None, None, statement.text)
+            return self._row(statement, *args, **kwargs)  # type: ignore[misc]
 
         if self._statements is not None:
             self._statements.row = row

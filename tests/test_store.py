@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import re
 import uuid
 from datetime import timedelta
 
 import psycopg
 import pytest
+import sqlalchemy as sa
 
 from agentruns import Agent, Engine, LeaseLostError, RunStatus, SqlStore, TriggerEnvelope
 from agentruns.errors import NotMigratedError
 from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text
-from agentruns.runs import utcnow
+from agentruns.runs import Run, utcnow
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
 from tests.conftest import PG_ADMIN, _pg_url
 
@@ -172,38 +172,128 @@ def test_a_write_not_marked_durable_commits_without_waiting_for_the_wal_flush(
     store.close()
 
 
+def _running(store: SqlStore) -> tuple[Run, Guard]:
+    run, _ = store.create_run(new_run())
+    claimed = store.claim(run.id, "x", soon())
+    assert claimed is not None
+    return claimed.run, Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
+
+
+def _step(name: str = "t") -> NewStep:
+    now = utcnow()
+    return NewStep(kind="tool", name=name, started_at=now, finished_at=now)
+
+
+def test_the_hot_path_prepares_its_statements_again_after_they_are_dropped(db_url: str) -> None:
+    store = SqlStore(db_url, pool_size=1, max_overflow=0)
+    run, guard = _running(store)
+    store.commit(run, guard, Commit(steps=[_step()]))
+    pooled = store.engine.raw_connection()
+    pooled.driver_connection.execute("DEALLOCATE ALL")  # e.g. a DISCARD ALL by a proxy
+    pooled.close()
+    committed = store.commit(
+        run, guard, Commit(steps=[_step()], messages=[{"role": "user", "content": "é ✓"}])
+    )
+    assert committed is not None and [s.index for s in committed.steps] == [1]
+    assert len(store.steps(run.id)) == 2
+    store.close()
+
+
+def test_a_hot_statement_is_refused_on_a_connection_inside_a_transaction(db_url: str) -> None:
+    # Inside someone's transaction a write would not be its own, nor committed.
+    store = SqlStore(db_url, pool_size=1, max_overflow=0)
+    run, guard = _running(store)
+    pooled = store.engine.raw_connection()
+    pooled.driver_connection.execute("BEGIN")
+    pooled.close()
+    with pytest.raises(RuntimeError, match="idle autocommit connection"):
+        store.commit(run, guard, Commit(steps=[_step()]))
+    pooled = store.engine.raw_connection()
+    pooled.driver_connection.execute("ROLLBACK")
+    pooled.close()
+    assert store.steps(run.id) == []
+    store.commit(run, guard, Commit(steps=[_step()]))
+    assert len(store.steps(run.id)) == 1
+    store.close()
+
+
+def test_a_broken_connection_fails_its_write_and_the_next_write_gets_a_new_one(
+    db_url: str,
+) -> None:
+    store = SqlStore(db_url, pool_size=1, max_overflow=0)
+    run, guard = _running(store)
+    pooled = store.engine.raw_connection()
+    backend = pooled.driver_connection.info.backend_pid
+    pooled.close()
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute("SELECT pg_terminate_backend(%s)", (backend,))
+    with pytest.raises(sa.exc.OperationalError):
+        store.commit(run, guard, Commit(steps=[_step("lost")]))
+    committed = store.commit(run, guard, Commit(steps=[_step("kept")]))
+    assert committed is not None
+    assert [s.name for s in store.steps(run.id)] == ["kept"]
+    store.close()
+
+
+def test_hot_statements_send_text_as_utf8_whatever_the_client_encoding(db_url: str) -> None:
+    store = SqlStore(db_url, connect_args={"options": "-c client_encoding=LATIN1"})
+    run, guard = _running(store)
+    body = {"role": "user", "content": "naïve ✓ 漢字"}
+    store.commit(run, guard, Commit(steps=[_step("✓")], messages=[body]))
+    assert store.transcript(run.id).messages == [body]
+    assert [s.name for s in store.steps(run.id)] == ["✓"]
+    store.close()
+
+
+def test_a_connection_comes_back_from_a_transaction_block_idle_and_autocommit(
+    db_url: str,
+) -> None:
+    # The pool does not roll back returned connections: the blocks that open a
+    # transaction must leave none behind, even when they fail.
+    store = SqlStore(db_url, pool_size=1, max_overflow=0)
+    with pytest.raises(ZeroDivisionError), store._atomic.begin() as conn:
+        conn.exec_driver_sql("SELECT 1")
+        assert not conn.connection.driver_connection.autocommit
+        _ = 1 / 0
+    pooled = store.engine.raw_connection()
+    driver = pooled.driver_connection
+    assert driver.autocommit
+    assert driver.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    pooled.close()
+    store.close()
+
+
+def test_a_hot_statement_refuses_a_parameter_it_has_no_text_form_for() -> None:
+    from agentruns.store.postgres import CLAIM
+
+    with pytest.raises(TypeError, match="no text form for a parameter of type dict"):
+        CLAIM.values({"run_id": {"not": "text"}, "owner": "x", "expires_at": None, "now": None})
+
+
 @pytest.mark.parametrize("statement", ["commit", "claim"])
 def test_the_hot_statements_find_their_run_by_id_in_a_generic_plan(
     db_url: str, statement: str
 ) -> None:
-    # psycopg prepares these statements; their generic plan must not pick the
+    # The store prepares these statements; their generic plan must not pick the
     # status index (which would filter every running or queued run per write).
     from psycopg import sql
 
-    from agentruns.store.postgres import CLAIM_SQL, COMMIT_SQL, commit_params
+    from agentruns.store.postgres import CLAIM, COMMIT, commit_params
 
     store = SqlStore(db_url)
     run, _ = store.create_run(new_run())
     if statement == "commit":
-        text_, params = (
-            COMMIT_SQL,
+        hot, params = (
+            COMMIT,
             commit_params(run.id, Guard(RunStatus.RUNNING, 1), Commit(), utcnow()),
         )
     else:
-        text_ = CLAIM_SQL
+        hot = CLAIM
         params = {"run_id": run.id, "owner": "x", "expires_at": soon(), "now": utcnow()}
-    names: list[str] = []
-
-    def positional(match: re.Match[str]) -> str:
-        if match.group(1) not in names:
-            names.append(match.group(1))
-        return f"${names.index(match.group(1)) + 1}"
-
-    prepared = re.sub(r"%\((\w+)\)s", positional, text_)
     with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as conn:
         conn.execute("SET plan_cache_mode = force_generic_plan")
-        conn.execute(sql.SQL("PREPARE hot AS {}").format(sql.SQL(prepared)))
-        args = sql.SQL(", ").join(sql.Literal(params[n]) for n in names)
+        conn.execute(sql.SQL("PREPARE hot AS {}").format(sql.SQL(hot.text)))
+        args = sql.SQL(", ").join(sql.Literal(params[n]) for n in hot.params)
         explain = sql.SQL("EXPLAIN EXECUTE hot({})").format(args)
         plan = "\n".join(row[0] for row in conn.execute(explain))
     assert "agentruns_runs_id_key" in plan, plan

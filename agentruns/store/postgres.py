@@ -1,20 +1,25 @@
 """The Postgres hot path: the statements every run makes, each ONE autocommit statement.
 
 Creating a run, claiming it and every guarded write are single statements
-(``create.sql``, ``claim.sql``, ``commit.sql``) sent on the driver connection,
-prepared, without SQLAlchemy's transaction and result layers: one round trip
-each, no BEGIN or COMMIT of their own.
+(``create.sql``, ``claim.sql``, ``commit.sql``), prepared once per connection
+and then executed through libpq (psycopg's ``pq`` layer) with text parameters:
+one round trip each, no BEGIN or COMMIT of their own, and none of the cursor,
+query-conversion and transaction layers above it. A step's writes are most of an
+execution's CPU: this is where it pays to be lean.
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.rows import dict_row, tuple_row
+from psycopg import pq
+from psycopg.adapt import Transformer
 
 from agentruns.store.base import _UNSET, Commit, Guard, NewRun
 from agentruns.store.connect import dumps
@@ -43,20 +48,45 @@ WRITE_RETURNS = (
 
 def _sql(name: str) -> str:
     """A statement file without its comments and indentation: the files explain, the
-    server needs none of it, and psycopg caches the parsing of short statements
-    only (up to 4 KiB): a longer one is parsed again on every execution."""
+    server needs none of it."""
     text = (Path(__file__).parent / name).read_text()
     lines = (line.split("--", 1)[0].strip() for line in text.splitlines())
-    statement = " ".join(line for line in lines if line)
-    assert len(statement.encode()) <= 4096, f"{name} is too long to be cached by psycopg"
-    return statement
+    return " ".join(line for line in lines if line)
+
+
+class Prepared:
+    """One statement as the server prepares it: the text with positional parameters
+    (``$1`` for the first name in ``%(name)s`` form), the names in that order, and
+    the names of the result's columns (given, or read off the first result)."""
+
+    def __init__(self, name: str, sql: str, returns: tuple[str, ...] | None = None) -> None:
+        order: list[str] = []
+
+        def number(match: re.Match[str]) -> str:
+            if match.group(1) not in order:
+                order.append(match.group(1))
+            return f"${order.index(match.group(1)) + 1}"
+
+        self.name = name
+        self.text = re.sub(r"%\((\w+)\)s", number, sql)
+        self.params = tuple(order)
+        self.columns = returns
+        self.wire_name = name.encode()
+        self.wire_text = self.text.encode()
+
+    def values(self, params: dict[str, Any]) -> Sequence[bytes]:
+        # None is SQL NULL to libpq (the pq layer's own stubs type it only for sends).
+        return cast("list[bytes]", [_text(params[name]) for name in self.params])
 
 
 _COMMIT = _sql("commit.sql")
-COMMIT_SQL = _COMMIT.format(returns=", ".join(WRITE_RETURNS), lazy="")
-COMMIT_LAZY_SQL = _COMMIT.format(returns=", ".join(WRITE_RETURNS), lazy=", lazy")
-CLAIM_SQL = _sql("claim.sql")
-CREATE_SQL = _sql("create.sql")
+_RETURNS = ", ".join(WRITE_RETURNS)
+COMMIT = Prepared("agentruns_commit", _COMMIT.format(returns=_RETURNS, lazy=""), WRITE_RETURNS)
+COMMIT_LAZY = Prepared(
+    "agentruns_commit_lazy", _COMMIT.format(returns=_RETURNS, lazy=", lazy"), WRITE_RETURNS
+)
+CLAIM = Prepared("agentruns_claim", _sql("claim.sql"))
+CREATE = Prepared("agentruns_create", _sql("create.sql"))
 
 
 class Statements:
@@ -73,7 +103,7 @@ class Statements:
         params = new.columns(now, claim)
         params["trigger"] = dumps(params["trigger"])
         params["budget"] = dumps(params["budget"]) if params["budget"] is not None else None
-        return self.row(CREATE_SQL, params)
+        return self.row(CREATE, params)
 
     def claim(
         self, run_id: str, owner: str, expires_at: datetime, now: datetime
@@ -81,7 +111,7 @@ class Statements:
         """The claimed run's row with its stored ``messages``; None if it cannot be claimed."""
         params = {"run_id": run_id, "owner": owner, "expires_at": expires_at, "now": now}
         try:
-            return self.row(CLAIM_SQL, params)
+            return self.row(CLAIM, params)
         except sa.exc.IntegrityError:
             return None  # another run of the same concurrency key is running
 
@@ -89,48 +119,109 @@ class Statements:
         self, run_id: str, guard: Guard, commit: Commit, now: datetime
     ) -> dict[str, Any] | None:
         """Apply one guarded write; the changed columns (``WRITE_RETURNS``), or None on a miss."""
-        sql = COMMIT_SQL if commit.durable else COMMIT_LAZY_SQL
-        return self.row(sql, commit_params(run_id, guard, commit, now), WRITE_RETURNS)
+        statement = COMMIT if commit.durable else COMMIT_LAZY
+        return self.row(statement, commit_params(run_id, guard, commit, now))
 
-    def row(
-        self, sql: str, params: dict[str, Any], names: tuple[str, ...] | None = None
-    ) -> dict[str, Any] | None:
-        """One statement's first row: as ``names`` when given (skipping the column
-        descriptions), else by the columns' own names. The store's connections
-        autocommit, so the statement is its own transaction."""
+    def row(self, statement: Prepared, params: dict[str, Any]) -> dict[str, Any] | None:
+        """The statement's first row by column name, or None. The connection is idle
+        (the store's connections autocommit), so the statement is its own transaction."""
         pooled = self.engine.raw_connection()
         try:
-            cursor = _cursor(pooled)
-            cursor.row_factory = tuple_row if names is not None else dict_row
-            cursor.execute(sql, params, prepare=True)
-            row = cursor.fetchone()
+            return _Session.of(pooled).row(statement, params)
         except psycopg.IntegrityError as exc:
-            raise sa.exc.IntegrityError(sql, params, exc) from exc
+            raise sa.exc.IntegrityError(statement.text, params, exc) from exc
         except psycopg.OperationalError as exc:
             pooled.invalidate(exc)
-            raise sa.exc.OperationalError(sql, params, exc) from exc
+            raise sa.exc.OperationalError(statement.text, params, exc) from exc
         finally:
             pooled.close()
-        if row is None:
+
+
+class _Session:
+    """What one pooled connection keeps for the hot path: the statements prepared on
+    it, and a loader that turns result values into Python ones as psycopg would."""
+
+    def __init__(self, driver: psycopg.Connection[Any]) -> None:
+        if driver.info.encoding != "utf-8":
+            driver.execute("SET client_encoding TO 'UTF8'")  # parameters are sent as UTF-8
+        self.driver = driver
+        self.prepared: set[str] = set()
+        self.loader = Transformer(driver)
+
+    @classmethod
+    def of(cls, pooled: Any) -> _Session:
+        driver = pooled.driver_connection
+        session: _Session | None = pooled.info.get(_SESSION)
+        if session is None or session.driver is not driver:
+            session = pooled.info[_SESSION] = cls(driver)
+        return session
+
+    def row(self, statement: Prepared, params: dict[str, Any]) -> dict[str, Any] | None:
+        pgconn = self.driver.pgconn
+        if pgconn.transaction_status != pq.TransactionStatus.IDLE:
+            # Inside a transaction, this write would not be its own.
+            raise RuntimeError("a hot-path statement needs an idle autocommit connection")
+        values = statement.values(params)
+        if statement.name not in self.prepared:
+            self._prepare(statement)
+        result = pgconn.exec_prepared(statement.wire_name, values)
+        if result.status != pq.ExecStatus.TUPLES_OK and _sqlstate(result) == _NO_SUCH_STATEMENT:
+            # Prepared statements were dropped under us (DISCARD ALL): prepare again.
+            self.prepared.clear()
+            self._prepare(statement)
+            result = pgconn.exec_prepared(statement.wire_name, values)
+        self._check(result, pq.ExecStatus.TUPLES_OK)
+        columns = statement.columns
+        if columns is None:
+            columns = statement.columns = tuple(
+                (result.fname(i) or b"").decode() for i in range(result.nfields)
+            )
+        if result.ntuples == 0:
             return None
-        if names is None:
-            return dict(row)
-        return dict(zip(names, row, strict=True))
+        self.loader.set_pgresult(result)
+        row = self.loader.load_row(0, tuple)
+        return dict(zip(columns, row, strict=True))
+
+    def _prepare(self, statement: Prepared) -> None:
+        result = self.driver.pgconn.prepare(statement.wire_name, statement.wire_text)
+        self._check(result, pq.ExecStatus.COMMAND_OK)
+        self.prepared.add(statement.name)
+
+    def _check(self, result: pq.abc.PGresult, expected: pq.ExecStatus) -> None:
+        if result.status == expected:
+            return
+        message = result.error_message.decode(errors="replace").strip()
+        if self.driver.pgconn.status != pq.ConnStatus.OK:
+            raise psycopg.OperationalError(message or "the connection is broken")
+        sqlstate = _sqlstate(result)
+        error = psycopg.errors.lookup(sqlstate) if sqlstate else psycopg.DatabaseError
+        raise error(message)
 
 
-def _cursor(pooled: Any) -> psycopg.Cursor[Any]:
-    """The pooled connection's own cursor, made once per connection."""
-    driver = pooled.driver_connection
-    cursor: psycopg.Cursor[Any] | None = pooled.info.get(_CURSOR)
-    if cursor is None or cursor.closed or cursor.connection is not driver:
-        if not driver.autocommit:
-            raise RuntimeError("the store's Postgres connections must autocommit")
-        cursor = driver.cursor()
-        pooled.info[_CURSOR] = cursor
-    return cursor
+def _sqlstate(result: pq.abc.PGresult) -> str | None:
+    code = result.error_field(pq.DiagnosticField.SQLSTATE)
+    return code.decode() if code else None
 
 
-_CURSOR = "agentruns.cursor"
+def _text(value: Any) -> bytes | None:
+    """A parameter in Postgres' text format (the server infers its type)."""
+    if value is None:
+        return None
+    if value is True:
+        return b"t"
+    if value is False:
+        return b"f"
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, datetime):
+        return value.isoformat().encode()
+    if isinstance(value, int | float):
+        return str(value).encode()
+    raise TypeError(f"no text form for a parameter of type {type(value).__name__}")
+
+
+_SESSION = "agentruns.session"
+_NO_SUCH_STATEMENT = "26000"
 
 
 def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> dict[str, Any]:

@@ -184,6 +184,49 @@ def _step(name: str = "t") -> NewStep:
     return NewStep(kind="tool", name=name, started_at=now, finished_at=now)
 
 
+def test_writes_of_one_step_and_message_and_of_any_other_shape_store_alike(
+    db_url: str,
+) -> None:
+    # One step and one message take a statement of their own (append_one.sql).
+    store = SqlStore(db_url, pool_size=1, max_overflow=0)
+    run, guard = _running(store)
+    now = utcnow()
+    llm = NewStep(
+        kind="llm", name="m", output={"usage": {"input_tokens": 3}}, started_at=now, finished_at=now
+    )
+    tool = NewStep(
+        kind="tool", name="t", input={"q": "é"}, output="ok", started_at=now, finished_at=now
+    )
+    failed = NewStep(
+        kind="tool", name="t", input={}, error={"code": "x"}, started_at=now, finished_at=now
+    )
+    first = {"role": "user", "content": "start"}
+    reply = {"role": "assistant", "content": [{"type": "text", "text": "hi"}]}
+    writes = [
+        Commit(steps=[llm], messages=[first, reply]),  # many
+        Commit(steps=[tool], messages=[{"role": "user", "content": "r1"}]),  # one
+        Commit(steps=[llm], messages=[reply]),  # one
+        Commit(steps=[tool, failed], messages=[{"role": "user", "content": "r2"}]),  # many
+        Commit(steps=[failed]),  # many: no message
+    ]
+    indexes = []
+    for write in writes:
+        committed = store.commit(run, guard, write)
+        assert committed is not None
+        indexes.append([s.index for s in committed.steps])
+    assert indexes == [[0], [1], [2], [3, 4], [5]]
+    stored = store.steps(run.id)
+    assert [(s.kind, s.input, s.output, s.error) for s in stored] == [
+        (s.kind, s.input, s.output, s.error) for w in writes for s in w.steps
+    ]
+    assert store.transcript(run.id).messages == [m for w in writes for m in w.messages]
+    pooled = store.engine.raw_connection()
+    names = pooled.driver_connection.execute("SELECT name FROM pg_prepared_statements").fetchall()
+    pooled.close()
+    assert {"agentruns_commit", "agentruns_commit_one"} <= {n for (n,) in names}
+    store.close()
+
+
 def test_the_hot_path_prepares_its_statements_again_after_they_are_dropped(db_url: str) -> None:
     store = SqlStore(db_url, pool_size=1, max_overflow=0)
     run, guard = _running(store)
@@ -270,7 +313,7 @@ def test_a_hot_statement_refuses_a_parameter_it_has_no_text_form_for() -> None:
         CLAIM.values({"run_id": {"not": "text"}, "owner": "x", "expires_at": None, "now": None})
 
 
-@pytest.mark.parametrize("statement", ["commit", "claim"])
+@pytest.mark.parametrize("statement", ["commit", "commit_one", "claim"])
 def test_the_hot_statements_find_their_run_by_id_in_a_generic_plan(
     db_url: str, statement: str
 ) -> None:
@@ -278,14 +321,20 @@ def test_the_hot_statements_find_their_run_by_id_in_a_generic_plan(
     # status index (which would filter every running or queued run per write).
     from psycopg import sql
 
-    from agentruns.store.postgres import CLAIM, COMMIT, commit_params
+    from agentruns.store.postgres import CLAIM, COMMIT, COMMIT_ONE, commit_params
 
     store = SqlStore(db_url)
     run, _ = store.create_run(new_run())
-    if statement == "commit":
+    if statement.startswith("commit"):
+        one = statement == "commit_one"
+        write = (
+            Commit(steps=[_step()], messages=[{"role": "user", "content": "x"}])
+            if one
+            else Commit()
+        )
         hot, params = (
-            COMMIT,
-            commit_params(run.id, Guard(RunStatus.RUNNING, 1), Commit(), utcnow()),
+            COMMIT_ONE if one else COMMIT,
+            commit_params(run.id, Guard(RunStatus.RUNNING, 1), write, utcnow()),
         )
     else:
         hot = CLAIM

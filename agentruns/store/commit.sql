@@ -34,21 +34,7 @@ WITH run AS (
       AND (%(guard_epoch)s::int IS NULL OR epoch = %(guard_epoch)s::int)
       AND (%(guard_token)s::text IS NULL OR waiting ->> 'token_id' = %(guard_token)s::text)
     RETURNING *
-), new_steps AS (
-    INSERT INTO agentruns_steps
-        (run_key, idx, kind, name, input, output, error, started_at, finished_at)
-    SELECT run.key, run.step_count - %(n_steps)s + s.ord - 1,
-           s.kind, s.name, s.input, s.output, s.error, s.started_at, s.finished_at
-    FROM run, ROWS FROM (
-        json_to_recordset(%(steps)s::json) AS (
-            kind text, name text, input json, output json, error json,
-            started_at timestamptz, finished_at timestamptz)
-    ) WITH ORDINALITY AS s(kind, name, input, output, error, started_at, finished_at, ord)
-), new_messages AS (
-    INSERT INTO agentruns_messages (run_key, seq, body)
-    SELECT run.key, run.message_count - %(n_messages)s + m.ord - 1, m.body
-    FROM run, json_array_elements(%(messages)s::json) WITH ORDINALITY AS m(body, ord)
-), lazy AS (
+), {appends}, lazy AS (
     -- A write marked not durable (the tool results of a step: a recovery repeats
     -- them) commits without waiting for its WAL flush. Only a crash of Postgres
     -- itself can lose it, and then also nothing written after it; the run's next
@@ -59,5 +45,6 @@ WITH run AS (
 )
 -- Only what a write can change: the caller already holds the rest of the run.
 -- (The column list is store/postgres.py's WRITE_RETURNS; {lazy} is ", lazy" in
--- the statement for writes that are not durable, else empty.)
+-- the statement for writes that are not durable, else empty; {appends} is
+-- append_many.sql, or append_one.sql for a write of one step and one message.)
 SELECT {returns} FROM run{lazy}

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from psycopg import pq
 from psycopg.adapt import Transformer
 
-from agentruns.store.base import _UNSET, Commit, Guard, NewRun
+from agentruns.store.base import _UNSET, Commit, Guard, NewRun, NewStep
 from agentruns.store.connect import dumps
 
 # What a write returns: every column a write can change, in this order.
@@ -79,12 +79,19 @@ class Prepared:
         return cast("list[bytes]", [_text(params[name]) for name in self.params])
 
 
-_COMMIT = _sql("commit.sql")
-_RETURNS = ", ".join(WRITE_RETURNS)
-COMMIT = Prepared("agentruns_commit", _COMMIT.format(returns=_RETURNS, lazy=""), WRITE_RETURNS)
-COMMIT_LAZY = Prepared(
-    "agentruns_commit_lazy", _COMMIT.format(returns=_RETURNS, lazy=", lazy"), WRITE_RETURNS
-)
+def _commit(name: str, appends: str, lazy: bool) -> Prepared:
+    sql = _sql("commit.sql").format(
+        returns=", ".join(WRITE_RETURNS), appends=_sql(appends), lazy=", lazy" if lazy else ""
+    )
+    return Prepared(name, sql, WRITE_RETURNS)
+
+
+# A write is one of four statements: any appends or exactly one step and one
+# message (most writes, and a cheaper statement for Postgres), durable or not.
+COMMIT = _commit("agentruns_commit", "append_many.sql", lazy=False)
+COMMIT_LAZY = _commit("agentruns_commit_lazy", "append_many.sql", lazy=True)
+COMMIT_ONE = _commit("agentruns_commit_one", "append_one.sql", lazy=False)
+COMMIT_ONE_LAZY = _commit("agentruns_commit_one_lazy", "append_one.sql", lazy=True)
 CLAIM = Prepared("agentruns_claim", _sql("claim.sql"))
 CREATE = Prepared("agentruns_create", _sql("create.sql"))
 
@@ -119,8 +126,12 @@ class Statements:
         self, run_id: str, guard: Guard, commit: Commit, now: datetime
     ) -> dict[str, Any] | None:
         """Apply one guarded write; the changed columns (``WRITE_RETURNS``), or None on a miss."""
-        statement = COMMIT if commit.durable else COMMIT_LAZY
-        return self.row(statement, commit_params(run_id, guard, commit, now))
+        params = commit_params(run_id, guard, commit, now)
+        if len(commit.steps) == 1 and len(commit.messages) == 1:
+            statement = COMMIT_ONE if commit.durable else COMMIT_ONE_LAZY
+        else:
+            statement = COMMIT if commit.durable else COMMIT_LAZY
+        return self.row(statement, params)
 
     def row(self, statement: Prepared, params: dict[str, Any]) -> dict[str, Any] | None:
         """The statement's first row by column name, or None. The connection is idle
@@ -227,7 +238,7 @@ _NO_SUCH_STATEMENT = "26000"
 def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> dict[str, Any]:
     usage = commit.usage
     final = commit.status is not None and commit.status.is_final
-    return {
+    params = {
         "now": now,
         "run_id": run_id,
         "guard_status": guard.status.value,
@@ -259,19 +270,31 @@ def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> d
             else None
         ),
         "release": commit.release_claim,
-        "steps": dumps(
-            [
-                {
-                    "kind": s.kind,
-                    "name": s.name,
-                    "input": s.input,
-                    "output": s.output,
-                    "error": s.error,
-                    "started_at": s.started_at.isoformat(),
-                    "finished_at": s.finished_at.isoformat(),
-                }
-                for s in commit.steps
-            ]
-        ),
-        "messages": dumps(commit.messages),
+    }
+    steps, messages = commit.steps, commit.messages
+    if len(steps) == 1 and len(messages) == 1:  # COMMIT_ONE's parameters
+        step = steps[0]
+        params["step_kind"] = step.kind
+        params["step_name"] = step.name
+        params["step_input"] = dumps(step.input) if step.input is not None else None
+        params["step_output"] = dumps(step.output) if step.output is not None else None
+        params["step_error"] = dumps(step.error) if step.error is not None else None
+        params["step_started_at"] = step.started_at
+        params["step_finished_at"] = step.finished_at
+        params["message"] = dumps(messages[0])
+    else:
+        params["steps"] = dumps([_step_fields(s) for s in steps])
+        params["messages"] = dumps(messages)
+    return params
+
+
+def _step_fields(step: NewStep) -> dict[str, Any]:
+    return {
+        "kind": step.kind,
+        "name": step.name,
+        "input": step.input,
+        "output": step.output,
+        "error": step.error,
+        "started_at": step.started_at.isoformat(),
+        "finished_at": step.finished_at.isoformat(),
     }

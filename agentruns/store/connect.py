@@ -51,8 +51,4 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     # aborts the execution (recover() finishes the run), and SQLAlchemy then
     # replaces the pool's connections.
     kwargs.setdefault("pool_recycle", 1800)
-    # The connections autocommit (see SqlStore), so a returned connection has no
-    # transaction to roll back: no ROLLBACK call per checkin. Blocks that open one
-    # (SqlStore._atomic) end it themselves, and SQLAlchemy restores autocommit.
-    kwargs.setdefault("pool_reset_on_return", None)
     return sa.create_engine(url, json_serializer=dumps, **kwargs)

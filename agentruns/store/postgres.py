@@ -127,7 +127,7 @@ class Statements:
     ) -> dict[str, Any] | None:
         """Apply one guarded write; the changed columns (``WRITE_RETURNS``), or None on a miss."""
         params = commit_params(run_id, guard, commit, now)
-        if len(commit.steps) == 1 and len(commit.messages) == 1:
+        if _one_step_one_message(commit):
             statement = COMMIT_ONE if commit.durable else COMMIT_ONE_LAZY
         else:
             statement = COMMIT if commit.durable else COMMIT_LAZY
@@ -272,7 +272,7 @@ def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> d
         "release": commit.release_claim,
     }
     steps, messages = commit.steps, commit.messages
-    if len(steps) == 1 and len(messages) == 1:  # COMMIT_ONE's parameters
+    if _one_step_one_message(commit):  # COMMIT_ONE's parameters
         step = steps[0]
         params["step_kind"] = step.kind
         params["step_name"] = step.name
@@ -286,6 +286,10 @@ def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> d
         params["steps"] = dumps([_step_fields(s) for s in steps])
         params["messages"] = dumps(messages)
     return params
+
+
+def _one_step_one_message(commit: Commit) -> bool:
+    return len(commit.steps) == 1 and len(commit.messages) == 1
 
 
 def _step_fields(step: NewStep) -> dict[str, Any]:

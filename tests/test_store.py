@@ -307,6 +307,23 @@ def test_a_connection_comes_back_from_a_transaction_block_idle_and_autocommit(
     store.close()
 
 
+def test_a_connection_returned_inside_a_transaction_is_rolled_back(db_url: str) -> None:
+    store = SqlStore(db_url, pool_size=1, max_overflow=0)
+    run, guard = _running(store)
+    pooled = store.engine.raw_connection()
+    driver = pooled.driver_connection
+    driver.execute("BEGIN")
+    driver.execute("UPDATE agentruns_runs SET output = 'leaked' WHERE id = %s", (run.id,))
+    pooled.close()  # e.g. code that forgot to commit or roll back
+    pooled = store.engine.raw_connection()
+    assert pooled.driver_connection is driver  # the same connection, idle again
+    assert driver.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    pooled.close()
+    assert store.get_run(run.id).output is None
+    store.commit(run, guard, Commit(steps=[_step()]))  # and the hot path can use it
+    store.close()
+
+
 def test_a_hot_statement_refuses_a_parameter_it_has_no_text_form_for() -> None:
     from agentruns.store.postgres import CLAIM
 

@@ -6,6 +6,7 @@ import json
 from typing import Any
 
 import sqlalchemy as sa
+from psycopg.pq import TransactionStatus
 from sqlalchemy.engine import Connection, Engine
 
 
@@ -51,4 +52,23 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     # aborts the execution (recover() finishes the run), and SQLAlchemy then
     # replaces the pool's connections.
     kwargs.setdefault("pool_recycle", 1800)
-    return sa.create_engine(url, json_serializer=dumps, **kwargs)
+    # A returned connection is rolled back only if it is inside a transaction (see
+    # _rollback_if_in_transaction), instead of on every return.
+    kwargs.setdefault("pool_reset_on_return", None)
+    engine = sa.create_engine(url, json_serializer=dumps, **kwargs)
+    sa.event.listen(engine, "reset", _rollback_if_in_transaction)
+    return engine
+
+
+def _rollback_if_in_transaction(dbapi_conn: Any, _record: Any, state: Any) -> None:
+    """The pool's reset of a returned Postgres connection. The store's connections
+    autocommit and the blocks that open a transaction end it, so a returned one is
+    almost always idle. SQLAlchemy's own reset calls ``rollback()`` every time:
+    nothing goes on the wire for an idle connection, but psycopg's machinery
+    around it ran twice per model step. It is kept for the connections that need
+    it, such as one leaked inside a transaction."""
+    if state.terminate_only:
+        return  # about to be closed anyway
+    status = dbapi_conn.pgconn.transaction_status
+    if status != TransactionStatus.IDLE and status != TransactionStatus.UNKNOWN:
+        dbapi_conn.rollback()

@@ -173,7 +173,8 @@ def measure(ids: set[str], repeat: int, quick: bool) -> list[Figure]:
                 value=median(short_ms),
                 target=0.5,
                 note=f"a small commit took {median(commit_ms):.2f} ms here meanwhile, and a"
-                f" SELECT 1 {select_ms:.2f} ms (medians); a step makes two statements",
+                f" SELECT 1 {select_ms:.2f} ms (medians); a step makes two statements, one"
+                f" durable: {median(commit_ms) + select_ms:.2f} ms before any work of their own",
                 detail={**_batches_detail(shorts, sizes.short_runs), **context},
             ),
             Figure(

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery, signals
 from celery.utils.imports import cwd_in_path
 
+from agentruns.broker import transport_for
 from agentruns.settings import get_settings
 
 if TYPE_CHECKING:
@@ -108,6 +109,17 @@ app = Celery("agentruns", include=["agentruns.tasks"])
 app.add_defaults(defaults)
 if _has_celeryconfig():
     app.config_from_object("celeryconfig")
+
+
+@app.on_after_configure.connect  # type: ignore[untyped-decorator]
+def _pick_transport(sender: Celery, **_: Any) -> None:
+    """A Redis broker gets agentruns' Redis transport (``agentruns.broker``: the same
+    transport, without a new Redis client per command), unless the configuration
+    names a transport itself. Decided once the final configuration is known, so a
+    ``celeryconfig.py`` that points ``broker_url`` elsewhere gets Celery's own."""
+    conf = sender.conf
+    if conf.broker_transport is None and isinstance(conf.broker_url, str):
+        conf.broker_transport = transport_for(conf.broker_url)
 
 
 # -- the process's engine -------------------------------------------------------------

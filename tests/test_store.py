@@ -34,6 +34,18 @@ def soon() -> object:
     return utcnow() + timedelta(seconds=30)
 
 
+def _running(store: SqlStore) -> tuple[Run, Guard]:
+    run, _ = store.create_run(new_run())
+    claimed = store.claim(run.id, "x", soon())
+    assert claimed is not None
+    return claimed.run, Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
+
+
+def _step(name: str = "t") -> NewStep:
+    now = utcnow()
+    return NewStep(kind="tool", name=name, started_at=now, finished_at=now)
+
+
 @pytest.fixture
 def empty_pg() -> object:
     name = f"agentruns_empty_{uuid.uuid4().hex[:8]}"
@@ -109,10 +121,7 @@ def test_idempotency_keys_are_unique(db_url: str) -> None:
 
 def test_a_checkpoint_with_the_same_step_index_replaces_the_pointer(db_url: str) -> None:
     store = SqlStore(db_url)
-    run, _ = store.create_run(new_run())
-    claimed = store.claim(run.id, "x", soon())
-    assert claimed is not None
-    guard = Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
+    run, guard = _running(store)
     user = {"role": "user", "content": "hi"}
     call = {"type": "tool_use", "id": "t1", "name": "x", "input": {}}
     store.commit(run, guard, Commit(messages=[user, {"role": "assistant", "content": [call]}]))
@@ -145,15 +154,10 @@ def test_a_write_not_marked_durable_commits_without_waiting_for_the_wal_flush(
         with same_backend.connect() as conn:
             return str(conn.exec_driver_sql("SHOW synchronous_commit").scalar_one())
 
-    run, _ = store.create_run(new_run())
-    claimed = store.claim(run.id, "x", soon())
-    assert claimed is not None
-    guard = Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
-    now = utcnow()
+    run, guard = _running(store)
 
     def write(durable: bool) -> None:
-        step = NewStep(kind="tool", name="t", started_at=now, finished_at=now)
-        store.commit(run, guard, Commit(steps=[step], durable=durable))
+        store.commit(run, guard, Commit(steps=[_step()], durable=durable))
 
     before = wal_syncs()
     for _ in range(20):
@@ -170,18 +174,6 @@ def test_a_write_not_marked_durable_commits_without_waiting_for_the_wal_flush(
     # The setting lasted for the write's own transaction: the connection is as it was.
     assert synchronous_commit() == "on"
     store.close()
-
-
-def _running(store: SqlStore) -> tuple[Run, Guard]:
-    run, _ = store.create_run(new_run())
-    claimed = store.claim(run.id, "x", soon())
-    assert claimed is not None
-    return claimed.run, Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
-
-
-def _step(name: str = "t") -> NewStep:
-    now = utcnow()
-    return NewStep(kind="tool", name=name, started_at=now, finished_at=now)
 
 
 def test_writes_of_one_step_and_message_and_of_any_other_shape_store_alike(

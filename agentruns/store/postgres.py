@@ -79,8 +79,11 @@ class Prepared:
         return cast("list[bytes]", [_text(params[name]) for name in self.params])
 
 
+_COMMIT = _sql("commit.sql")
+
+
 def _commit(name: str, appends: str, lazy: bool) -> Prepared:
-    sql = _sql("commit.sql").format(
+    sql = _COMMIT.format(
         returns=", ".join(WRITE_RETURNS), appends=_sql(appends), lazy=", lazy" if lazy else ""
     )
     return Prepared(name, sql, WRITE_RETURNS)

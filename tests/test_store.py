@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import uuid
 from datetime import timedelta
 
@@ -256,28 +257,154 @@ def test_a_hot_statement_is_refused_on_a_connection_inside_a_transaction(db_url:
 def test_a_broken_connection_fails_its_write_and_the_next_write_gets_a_new_one(
     db_url: str,
 ) -> None:
-    store = SqlStore(db_url, pool_size=1, max_overflow=0)
-    run, guard = _running(store)
-    pooled = store.engine.raw_connection()
-    backend = pooled.driver_connection.info.backend_pid
-    pooled.close()
+    store = SqlStore(db_url)
+    run, guard = _running(store)  # its claim leaves the connection it used held
+    ((held, _),) = store.writes.held.idle  # type: ignore[attr-defined]
+    backend = held.driver_connection.info.backend_pid
     with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (backend,))
     with pytest.raises(sa.exc.OperationalError):
         store.commit(run, guard, Commit(steps=[_step("lost")]))
+    assert not store.writes.held.idle  # type: ignore[attr-defined]
     committed = store.commit(run, guard, Commit(steps=[_step("kept")]))
     assert committed is not None
     assert [s.name for s in store.steps(run.id)] == ["kept"]
+    ((held, _),) = store.writes.held.idle  # type: ignore[attr-defined]
+    assert held.driver_connection.info.backend_pid != backend
     store.close()
 
 
-def test_hot_statements_send_text_as_utf8_whatever_the_client_encoding(db_url: str) -> None:
+def test_a_broken_connection_elsewhere_sends_the_held_ones_back_to_reconnect(
+    db_url: str,
+) -> None:
+    # Say Postgres restarted: a read finds out first. The write after it must not
+    # fail on a held connection that nothing else could see was gone.
+    store = SqlStore(db_url)
+    run, guard = _running(store)
+    store.get_run(run.id)  # a read, on a pooled connection other than the held one
+    database = sa.make_url(db_url).database
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+            (database,),
+        )
+    with pytest.raises(sa.exc.OperationalError):
+        store.get_run(run.id)
+    assert not store.writes.held.idle  # type: ignore[attr-defined]
+    committed = store.commit(run, guard, Commit(steps=[_step("after")]))
+    assert committed is not None
+    assert [s.name for s in store.steps(run.id)] == ["after"]
+    store.close()
+
+
+def test_a_hot_write_that_cannot_connect_raises_sqlalchemys_operational_error() -> None:
+    # What the engine takes for an infrastructure error (the run is recovered later,
+    # not failed), as from any other query.
+    store = SqlStore(f"postgresql+psycopg://postgres@127.0.0.1:{_closed_port()}/nowhere")
+    with pytest.raises(sa.exc.OperationalError):
+        store.writes.claim("r", "x", soon(), utcnow())  # type: ignore[arg-type]
+    store.close()
+
+
+def _closed_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _checkouts(store: SqlStore) -> list[int]:
+    counted = [0]
+
+    def count(*_: object) -> None:
+        counted[0] += 1
+
+    sa.event.listen(store.engine, "checkout", count)
+    return counted
+
+
+def test_the_hot_path_holds_its_connection_between_writes_instead_of_a_checkout_each(
+    db_url: str,
+) -> None:
+    store = SqlStore(db_url)
+    run, guard = _running(store)
+    checkouts = _checkouts(store)
+    for _ in range(10):
+        store.commit(
+            run, guard, Commit(steps=[_step()], messages=[{"role": "user", "content": "x"}])
+        )
+    assert checkouts == [0]
+    pool: sa.QueuePool = store.engine.pool  # type: ignore[assignment]
+    assert pool.checkedout() == 1
+    store.writes.release()
+    assert pool.checkedout() == 0
+    store.commit(run, guard, Commit(steps=[_step()]))  # and takes one from the pool again
+    assert checkouts == [1]
+    assert len(store.steps(run.id)) == 11
+    store.close()
+    assert pool.checkedout() == 0  # close gives it back before the pool goes
+
+
+def test_the_hot_path_holds_a_few_connections_and_leaves_the_pool_the_rest(
+    db_url: str,
+) -> None:
+    store = SqlStore(db_url, pool_size=8, pool_timeout=2)
+    assert store.writes.held.limit == 2  # type: ignore[attr-defined]
+    runs = [_running(store) for _ in range(12)]
+    start = threading.Barrier(len(runs))
+
+    def write(run: Run, guard: Guard) -> None:
+        start.wait()
+        for _ in range(5):
+            store.commit(run, guard, Commit(steps=[_step()]))
+
+    threads = [threading.Thread(target=write, args=r) for r in runs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    pool: sa.QueuePool = store.engine.pool  # type: ignore[assignment]
+    assert 1 <= pool.checkedout() <= 3  # two held, give or take a race between threads
+    assert all(len(store.steps(run.id)) == 5 for run, _ in runs)
+    # Everyone else still finds the rest of the pool without waiting for the hot path.
+    others = [store.engine.raw_connection() for _ in range(8 - pool.checkedout())]
+    for pooled in others:
+        pooled.close()
+    store.close()
+
+
+def test_the_hot_path_gives_back_a_connection_held_too_long_or_not_idle(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = SqlStore(db_url)
+    held = store.writes.held  # type: ignore[attr-defined]
+    pool: sa.QueuePool = store.engine.pool  # type: ignore[assignment]
+    pooled, since = held.take()
+    pooled.driver_connection.execute("BEGIN")
+    held.give(pooled, since, True)  # inside a transaction: back to the pool (rolled back)
+    assert not held.idle and pool.checkedout() == 0
+    run, guard = _running(store)
+    assert len(held.idle) == 1
+    monkeypatch.setattr(type(held), "HOLD_S", 0.0)  # out of the pool past HOLD_S: back
+    store.commit(run, guard, Commit(steps=[_step()]))
+    assert not held.idle and pool.checkedout() == 0
+    store.close()
+
+
+def test_a_store_speaks_utf8_whatever_the_client_encoding(db_url: str) -> None:
     store = SqlStore(db_url, connect_args={"options": "-c client_encoding=LATIN1"})
     run, guard = _running(store)
     body = {"role": "user", "content": "naïve ✓ 漢字"}
     store.commit(run, guard, Commit(steps=[_step("✓")], messages=[body]))
+    # Read back on connections other than the one the write used (the hot path holds it).
+    assert store.writes.held.idle  # type: ignore[attr-defined]
     assert store.transcript(run.id).messages == [body]
     assert [s.name for s in store.steps(run.id)] == ["✓"]
+    pooled = store.engine.raw_connection()
+    assert pooled.driver_connection.info.encoding == "utf-8"
+    assert pooled.driver_connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    pooled.close()
     store.close()
 
 

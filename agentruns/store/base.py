@@ -164,6 +164,8 @@ class Writes(Protocol):
     def commit(
         self, run_id: str, guard: Guard, commit: Commit, now: datetime
     ) -> dict[str, Any] | None: ...
+    def release(self) -> None:
+        """Give back the connections held between writes, if any."""
 
 
 class Store(Protocol):

@@ -5,8 +5,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import psycopg
 import sqlalchemy as sa
-from psycopg.pq import TransactionStatus
+from psycopg.pq import ExecStatus, TransactionStatus
 from sqlalchemy.engine import Connection, Engine
 
 
@@ -56,8 +57,21 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     # _rollback_if_in_transaction), instead of on every return.
     kwargs.setdefault("pool_reset_on_return", None)
     engine = sa.create_engine(url, json_serializer=dumps, **kwargs)
+    sa.event.listen(engine, "connect", _speak_utf8)
     sa.event.listen(engine, "reset", _rollback_if_in_transaction)
     return engine
+
+
+def _speak_utf8(dbapi_conn: Any, _record: Any) -> None:
+    """Every Postgres connection of a store speaks UTF-8, whatever its role, database or
+    ``options`` default to: runs hold any text a model or a tool produces, and the hot
+    path sends its parameters as UTF-8."""
+    if dbapi_conn.info.encoding != "utf-8":
+        # Through libpq, so psycopg opens no transaction around it whatever its mode.
+        result = dbapi_conn.pgconn.exec_(b"SET client_encoding TO 'UTF8'")
+        if result.status != ExecStatus.COMMAND_OK:
+            message = result.error_message.decode(errors="replace").strip()
+            raise psycopg.OperationalError(f"cannot switch the connection to UTF-8: {message}")
 
 
 def _rollback_if_in_transaction(dbapi_conn: Any, _record: Any, state: Any) -> None:

@@ -105,6 +105,7 @@ class SqlStore:
         return self.engine.url.render_as_string(hide_password=True)
 
     def close(self) -> None:
+        self.writes.release()
         self.engine.dispose()
 
     # -- runs --------------------------------------------------------------

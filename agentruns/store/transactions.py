@@ -112,6 +112,9 @@ class Transactions:
                 )
         return dict(row)
 
+    def release(self) -> None:
+        """Nothing to give back: each write checks its connection out and in again."""
+
 
 def _claim(run_id: str, owner: str, expires_at: datetime, now: datetime) -> Any:
     """queued -> running with a new epoch, oldest first per concurrency key."""

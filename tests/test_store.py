@@ -259,7 +259,7 @@ def test_a_broken_connection_fails_its_write_and_the_next_write_gets_a_new_one(
 ) -> None:
     store = SqlStore(db_url)
     run, guard = _running(store)  # its claim leaves the connection it used held
-    ((held, _),) = store.writes.held.idle  # type: ignore[attr-defined]
+    ((held, _, _),) = store.writes.held.idle  # type: ignore[attr-defined]
     backend = held.driver_connection.info.backend_pid
     with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
         admin.execute("SELECT pg_terminate_backend(%s)", (backend,))
@@ -269,7 +269,7 @@ def test_a_broken_connection_fails_its_write_and_the_next_write_gets_a_new_one(
     committed = store.commit(run, guard, Commit(steps=[_step("kept")]))
     assert committed is not None
     assert [s.name for s in store.steps(run.id)] == ["kept"]
-    ((held, _),) = store.writes.held.idle  # type: ignore[attr-defined]
+    ((held, _, _),) = store.writes.held.idle  # type: ignore[attr-defined]
     assert held.driver_connection.info.backend_pid != backend
     store.close()
 
@@ -380,9 +380,9 @@ def test_the_hot_path_gives_back_a_connection_held_too_long_or_not_idle(
     store = SqlStore(db_url)
     held = store.writes.held  # type: ignore[attr-defined]
     pool: sa.QueuePool = store.engine.pool  # type: ignore[assignment]
-    pooled, since = held.take()
+    pooled, session, since = held.take()
     pooled.driver_connection.execute("BEGIN")
-    held.give(pooled, since, True)  # inside a transaction: back to the pool (rolled back)
+    held.give(pooled, session, since, True)  # inside a transaction: back to the pool (rolled back)
     assert not held.idle and pool.checkedout() == 0
     run, guard = _running(store)
     assert len(held.idle) == 1

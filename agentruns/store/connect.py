@@ -10,9 +10,13 @@ import sqlalchemy as sa
 from psycopg.pq import ExecStatus, TransactionStatus
 from sqlalchemy.engine import Connection, Engine
 
+# One encoder for every write: json.dumps with options builds a new one per call.
+_ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
+
 
 def dumps(value: Any) -> str:
-    return json.dumps(value, separators=(",", ":"), ensure_ascii=False)
+    """Compact JSON, with text as it is (no \\u escapes)."""
+    return _ENCODER.encode(value)
 
 
 def make_engine(url: str, **kwargs: Any) -> Engine:

@@ -146,10 +146,10 @@ class Statements:
     def row(self, statement: Prepared, params: dict[str, Any]) -> dict[str, Any] | None:
         """The statement's first row by column name, or None. The connection is idle
         (the store's connections autocommit), so the statement is its own transaction."""
-        pooled, since = self.held.take()
+        pooled, session, since = self.held.take()
         reusable = False
         try:
-            row = _Session.of(pooled).row(statement, params)
+            row = session.row(statement, params)
             reusable = True
             return row
         except psycopg.IntegrityError as exc:
@@ -160,7 +160,7 @@ class Statements:
             self.held.drop()  # what broke this one may have broken them too
             raise sa.exc.OperationalError(statement.text, params, exc) from exc
         finally:
-            self.held.give(pooled, since, reusable)
+            self.held.give(pooled, session, since, reusable)
 
 
 class _Held:
@@ -194,39 +194,40 @@ class _Held:
         self.engine = engine
         pool = engine.pool
         self.limit = min(self.MOST, pool.size() // 4) if isinstance(pool, sa.QueuePool) else 0
-        # (connection, when it left the pool); deque's append and pop are atomic.
-        self.idle: deque[tuple[Any, float]] = deque()
+        # (connection, its session, when it left the pool); append and pop are atomic.
+        self.idle: deque[tuple[Any, _Session, float]] = deque()
         sa.event.listen(engine, "handle_error", self._on_error)
 
-    def take(self) -> tuple[Any, float]:
+    def take(self) -> tuple[Any, _Session, float]:
         try:
             return self.idle.pop()
         except IndexError:
             pass
         try:
-            return self.engine.raw_connection(), time.monotonic()
+            pooled = self.engine.raw_connection()
+            return pooled, _Session.of(pooled), time.monotonic()
         except psycopg.OperationalError as exc:
             # The pool hands out the driver's own error; callers (and the engine's
             # test for infrastructure errors) expect SQLAlchemy's, as from any query.
             self.drop()
             raise sa.exc.OperationalError("connect", None, exc) from exc
 
-    def give(self, pooled: Any, since: float, reusable: bool) -> None:
+    def give(self, pooled: Any, session: _Session, since: float, reusable: bool) -> None:
         # Two threads may both see room and both append: the limit is approximate.
         if (
             reusable
             and len(self.idle) < self.limit
             and time.monotonic() - since < self.HOLD_S
-            and pooled.driver_connection.pgconn.transaction_status == pq.TransactionStatus.IDLE
+            and session.driver.pgconn.transaction_status == pq.TransactionStatus.IDLE
         ):
-            self.idle.append((pooled, since))
+            self.idle.append((pooled, session, since))
         else:
             pooled.close()
 
     def release(self, invalidate: bool = False) -> None:
         while True:
             try:
-                pooled, _ = self.idle.pop()
+                pooled, _, _ = self.idle.pop()
             except IndexError:
                 return
             if invalidate:

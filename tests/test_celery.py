@@ -12,6 +12,7 @@ import os
 import re
 import runpy
 import signal
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -366,3 +367,56 @@ def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:
     schedule = settings["beat_schedule"]
     assert {entry["task"] for entry in schedule.values()} == {"agentruns.tick", "agentruns.recover"}
     assert all(entry["options"]["expires"] == entry["schedule"] for entry in schedule.values())
+
+
+def test_task_events_show_no_trigger_payload_and_no_resume_token(
+    cluster: Cluster, celery_app: Any
+) -> None:
+    """What Flower shows of a task (its ``task-sent`` and ``task-received`` events)
+    holds neither a trigger's payload nor a resume token; the worker still gets both."""
+    from agentruns.tasks import dispatch, resume
+
+    cluster.workers("w1")
+    events: list[dict[str, Any]] = []
+    subscribed = redis.Redis.from_url(REDIS_URL).pubsub_numpat()
+    with celery_app.connection_for_read() as conn:
+        receiver = celery_app.events.Receiver(conn, handlers={"*": events.append})
+        listening = threading.Thread(target=receiver.capture, kwargs={"limit": None}, daemon=True)
+        listening.start()
+        # The receiver listens once its pattern subscription is there.
+        wait_for(lambda: redis.Redis.from_url(REDIS_URL).pubsub_numpat() > subscribed or None)
+        sent = dispatch.delay("quick", trigger({"card": "4111-SECRET"}), idempotency_key="shown")
+        answered = resume.delay("TOKEN-SECRET.sig", True)
+
+        def seen() -> list[dict[str, Any]] | None:
+            ids = {sent.id, answered.id}
+            kinds = {(e["type"], e["uuid"]) for e in events if e.get("uuid") in ids}
+            wanted = {(t, i) for t in ("task-sent", "task-received") for i in ids}
+            return [e for e in events if e.get("uuid") in ids] if wanted <= kinds else None
+
+        shown = wait_for(seen, "the tasks' sent and received events")
+        receiver.should_stop = True
+        listening.join(5)
+    for event in shown:
+        if event["type"] not in ("task-sent", "task-received"):
+            continue
+        text = f"{event['args']} {event['kwargs']}"
+        assert "SECRET" not in text, event
+        assert ("<payload>" if event["uuid"] == sent.id else "<resume token>") in text, event
+    # The worker had the payload: the run it stored holds it.
+    run = wait_for(lambda: completed_run(cluster, "shown"), "the dispatched run")
+    assert run["trigger"]["payload"] == {"card": "4111-SECRET"}
+
+
+def completed_run(cluster: Cluster, idempotency_key: str) -> dict[str, Any] | None:
+    import psycopg
+
+    url = cluster.env["AGENTRUNS_DATABASE_URL"].replace("+psycopg", "", 1)
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT status, trigger FROM agentruns_runs WHERE idempotency_key = %s",
+            (idempotency_key,),
+        ).fetchone()
+    if row is None or row[0] != "completed":
+        return None
+    return {"status": row[0], "trigger": row[1]}

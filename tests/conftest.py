@@ -7,6 +7,7 @@ Postgres and Redis are the real services on 127.0.0.1 (``make test`` starts them
 from __future__ import annotations
 
 import os
+import socket
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -137,3 +138,10 @@ def wait_for(check: Callable[[], T | None], what: str = "a condition", timeout: 
 def trigger(payload: Any = None, **fields: Any) -> dict[str, Any]:
     """A manual trigger envelope as a dict."""
     return {"source": "manual", "trigger": "manual", "payload": payload, **fields}
+
+
+def free_port() -> int:
+    """A local TCP port nothing listens on (at the time of asking)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])

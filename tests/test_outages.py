@@ -20,7 +20,7 @@ import sqlalchemy.exc
 
 from agentruns import Agent, Engine, LocalScheduler, RedisLeases, RunStatus, SqlStore, tool
 from agentruns.models import ScriptedModel, text, tool_use
-from tests.conftest import Errors, trigger, wait_for
+from tests.conftest import Errors, free_port, trigger, wait_for
 
 
 @tool
@@ -30,12 +30,6 @@ def note(text: str) -> str:
 
 
 SCRIPT = [tool_use("note", {"text": str(i)}) for i in range(4)] + [text("Done.")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Proxy:

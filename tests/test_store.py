@@ -16,7 +16,7 @@ from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
-from tests.conftest import PG_ADMIN, _pg_url
+from tests.conftest import PG_ADMIN, _pg_url, free_port
 
 
 def new_run(key: str | None = None, idem: str | None = None) -> NewRun:
@@ -300,18 +300,10 @@ def test_a_broken_connection_elsewhere_sends_the_held_ones_back_to_reconnect(
 def test_a_hot_write_that_cannot_connect_raises_sqlalchemys_operational_error() -> None:
     # What the engine takes for an infrastructure error (the run is recovered later,
     # not failed), as from any other query.
-    store = SqlStore(f"postgresql+psycopg://postgres@127.0.0.1:{_closed_port()}/nowhere")
+    store = SqlStore(f"postgresql+psycopg://postgres@127.0.0.1:{free_port()}/nowhere")
     with pytest.raises(sa.exc.OperationalError):
         store.writes.claim("r", "x", soon(), utcnow())  # type: ignore[arg-type]
     store.close()
-
-
-def _closed_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _checkouts(store: SqlStore) -> list[int]:

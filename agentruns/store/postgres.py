@@ -205,12 +205,12 @@ class _Held:
             pass
         try:
             pooled = self.engine.raw_connection()
-            return pooled, _Session.of(pooled), time.monotonic()
         except psycopg.OperationalError as exc:
             # The pool hands out the driver's own error; callers (and the engine's
             # test for infrastructure errors) expect SQLAlchemy's, as from any query.
             self.drop()
             raise sa.exc.OperationalError("connect", None, exc) from exc
+        return pooled, _Session.of(pooled), time.monotonic()
 
     def give(self, pooled: Any, session: _Session, since: float, reusable: bool) -> None:
         # Two threads may both see room and both append: the limit is approximate.

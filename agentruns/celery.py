@@ -81,6 +81,8 @@ def defaults() -> dict[str, Any]:
         # Flower (and `celery events`) see every task from the moment it is sent.
         "worker_send_task_events": True,
         "task_send_sent_event": True,
+        # Celery's consumer, publishing those events in batches (agentruns.consumer).
+        "worker_consumer": "agentruns.consumer:Consumer",
         # Sweeps, safe when two beats run. `expires` drops a sweep no worker picked
         # up before the next one was due, so a backlog never piles up.
         "beat_schedule": {

@@ -420,3 +420,118 @@ def completed_run(cluster: Cluster, idempotency_key: str) -> dict[str, Any] | No
     if row is None or row[0] != "completed":
         return None
     return {"status": row[0], "trigger": row[1]}
+
+
+def _task_event_publishes(
+    client: redis.Redis, stop: threading.Event, seen: list[list[tuple[str, str]]]
+) -> None:
+    """Collect, per Redis PUBLISH of a worker's task events, the (type, task id) it carried."""
+    import base64
+    import json
+
+    pubsub = client.pubsub()
+    pubsub.psubscribe("*celeryev*")
+    while not stop.is_set():
+        message = pubsub.get_message(timeout=0.1)
+        if message is None or message["type"] != "pmessage":
+            continue
+        envelope = json.loads(message["data"])
+        body = json.loads(base64.b64decode(envelope["body"]))
+        events = body if isinstance(body, list) else [body]
+        tasks = [(e["type"], e["uuid"]) for e in events if e.get("type", "").startswith("task-")]
+        if tasks and all(kind != "task-sent" for kind, _ in tasks):  # the worker's, not ours
+            seen.append(tasks)
+    pubsub.close()
+
+
+class EventCounter:
+    """The worker task events published on this Redis while the block runs."""
+
+    def __init__(self) -> None:
+        self.client = redis.Redis.from_url(REDIS_URL)
+        self.stop = threading.Event()
+        self.publishes: list[list[tuple[str, str]]] = []
+        self._thread = threading.Thread(
+            target=_task_event_publishes, args=(self.client, self.stop, self.publishes)
+        )
+
+    def __enter__(self) -> EventCounter:
+        before = self.client.pubsub_numpat()
+        self._thread.start()
+        wait_for(lambda: self.client.pubsub_numpat() > before or None, "the event subscription")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self._thread.join(5)
+
+    def events(self) -> list[tuple[str, str]]:
+        return [event for publish in list(self.publishes) for event in publish]
+
+
+def test_a_busy_worker_publishes_its_task_events_in_batches(
+    cluster: Cluster, engine: Engine
+) -> None:
+    from agentruns.tasks import dispatch
+
+    cluster.workers("w1", concurrency=20)
+    with EventCounter() as counter:
+        for i in range(40):
+            dispatch.delay("quick", trigger({"n": i}), idempotency_key=f"batch-{i}")
+        wait_for(
+            lambda: sum(r.status is RunStatus.COMPLETED for r in engine.list_runs()) == 40 or None,
+            "40 completed runs",
+        )
+        # Each task's received, started and succeeded events arrive, and together.
+        wait_for(lambda: len(counter.events()) >= 120 or None, "the tasks' events")
+    assert len(counter.events()) == 120
+    publishes = len(counter.publishes)
+    assert publishes <= 120 / 4, counter.publishes  # Celery's consumer: about 1 per PUBLISH
+
+
+def test_a_worker_stopping_publishes_the_task_events_it_still_held(
+    cluster: Cluster, engine: Engine
+) -> None:
+    from agentruns.tasks import dispatch
+
+    (worker,) = cluster.workers("w1")
+    with EventCounter() as counter:
+        sent = dispatch.delay("charger", trigger({"card": "4242"}), idempotency_key="last")
+        run = wait_for(lambda: next(iter(engine.list_runs()), None), "the run to be stored")
+        wait_for(lambda: engine.steps(run.id), "the first step to be saved")
+        worker.popen.send_signal(signal.SIGTERM)  # the task returns as the worker drains
+        assert worker.popen.wait(timeout=10) == 0
+        wait_for(lambda: ("task-succeeded", sent.id) in counter.events() or None, "its event")
+
+
+def test_the_event_batching_arms_one_flush_and_rearms_after_a_lost_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The arming logic alone (the workers above show batches and the flush at stop):
+    # one flush per batch, and a batch whose timer a reconnection dropped is not
+    # left holding every later event.
+    from agentruns import consumer
+
+    class Hub:
+        def __init__(self) -> None:
+            self.soon: list[Any] = []
+
+        def call_soon(self, callback: Any) -> None:
+            self.soon.append(callback)
+
+    now = [100.0]
+    monkeypatch.setattr(consumer.time, "monotonic", lambda: now[0])
+    c = consumer.Consumer.__new__(consumer.Consumer)
+    c.hub, c._event_flush_at, c.event_dispatcher = Hub(), None, None
+    c.on_send_event_buffered()
+    c.on_send_event_buffered()
+    assert len(c.hub.soon) == 1  # one flush armed for both
+    c._flush_event_batch()
+    c.on_send_event_buffered()
+    assert len(c.hub.soon) == 2  # after a flush, the next event arms another
+    now[0] += consumer.EVENT_BATCH_S + 0.5
+    c.on_send_event_buffered()
+    assert len(c.hub.soon) == 2  # late, but not lost yet
+    now[0] += 1.0
+    c.on_send_event_buffered()
+    assert len(c.hub.soon) == 3  # its timer is gone: armed again

@@ -11,8 +11,6 @@ execution's CPU: this is where it pays to be lean.
 from __future__ import annotations
 
 import re
-import time
-from collections import deque
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
@@ -25,6 +23,7 @@ from psycopg.adapt import Transformer
 
 from agentruns.store.base import _UNSET, Commit, Guard, NewRun, NewStep
 from agentruns.store.connect import dumps
+from agentruns.store.held import Held
 
 # What a write returns: every column a write can change, in this order.
 WRITE_RETURNS = (
@@ -106,7 +105,7 @@ class Statements:
 
     def __init__(self, engine: sa.Engine) -> None:
         self.engine = engine
-        self.held = _Held(engine)
+        self.held = Held(engine, _Session.of)
 
     def release(self) -> None:
         """Give the connections held between writes back to the pool."""
@@ -161,90 +160,6 @@ class Statements:
             raise sa.exc.OperationalError(statement.text, params, exc) from exc
         finally:
             self.held.give(pooled, session, since, reusable)
-
-
-class _Held:
-    """Pooled connections the hot path keeps checked out between its statements.
-
-    A checkout from SQLAlchemy's pool and the checkin after it are some fifty
-    Python calls, cold in the CPU's caches by the next step: in a run's loop
-    they were about a sixth of the engine's CPU per model step (bench figure
-    1). So a write gives its connection back here, and the next write takes it
-    from here before it asks the pool:
-
-    - only a few are held (``limit``: a quarter of the pool, at most 4), so
-      reads and every other caller still find the pool's other connections;
-      a write in flight takes a fraction of a millisecond, so a few serve a
-      worker's hundred threads;
-    - each goes back to the pool once it has been out of it for ``HOLD_S``
-      seconds, so the pool's recycling and invalidation still reach it;
-    - only an idle connection (no transaction open) that served its statement
-      is held; a broken one is invalidated by the caller and goes back;
-    - when a connection breaks or cannot be made, here or anywhere on the
-      engine, the held ones go back invalidated: they reconnect on their next
-      checkout instead of failing a write each after the database was away.
-      (The pool itself has no pre-ping: see ``connect.py``.)
-    - ``release`` (the store's ``close``) gives them all back.
-    """
-
-    HOLD_S = 30.0
-    MOST = 4
-
-    def __init__(self, engine: sa.Engine) -> None:
-        self.engine = engine
-        pool = engine.pool
-        self.limit = min(self.MOST, pool.size() // 4) if isinstance(pool, sa.QueuePool) else 0
-        # (connection, its session, when it left the pool); append and pop are atomic.
-        self.idle: deque[tuple[Any, _Session, float]] = deque()
-        sa.event.listen(engine, "handle_error", self._on_error)
-
-    def take(self) -> tuple[Any, _Session, float]:
-        try:
-            return self.idle.pop()
-        except IndexError:
-            pass
-        try:
-            pooled = self.engine.raw_connection()
-        except psycopg.OperationalError as exc:
-            # The pool hands out the driver's own error; callers (and the engine's
-            # test for infrastructure errors) expect SQLAlchemy's, as from any query.
-            self.drop()
-            raise sa.exc.OperationalError("connect", None, exc) from exc
-        return pooled, _Session.of(pooled), time.monotonic()
-
-    def give(self, pooled: Any, session: _Session, since: float, reusable: bool) -> None:
-        # Two threads may both see room and both append: the limit is approximate.
-        if (
-            reusable
-            and len(self.idle) < self.limit
-            and time.monotonic() - since < self.HOLD_S
-            and session.driver.pgconn.transaction_status == pq.TransactionStatus.IDLE
-        ):
-            self.idle.append((pooled, session, since))
-        else:
-            pooled.close()
-
-    def release(self, invalidate: bool = False) -> None:
-        while True:
-            try:
-                pooled, _, _ = self.idle.pop()
-            except IndexError:
-                return
-            if invalidate:
-                pooled.invalidate(soft=True)  # reconnects when next checked out
-            pooled.close()
-
-    def drop(self) -> None:
-        """Give them all back to be reconnected: a connection broke."""
-        self.release(invalidate=True)
-
-    def _on_error(self, context: sa.engine.ExceptionContext) -> None:
-        # A broken connection, or one that could not be made (the server is away):
-        # the held ones may be gone too, and nothing else would find out.
-        if context.is_disconnect or isinstance(
-            context.original_exception, psycopg.OperationalError
-        ):
-            self.drop()
 
 
 class _Session:

@@ -384,6 +384,25 @@ def test_the_hot_path_gives_back_a_connection_held_too_long_or_not_idle(
     store.close()
 
 
+def test_a_held_connection_left_unused_goes_back_to_the_pool_in_time(db_url: str) -> None:
+    store = SqlStore(db_url)
+    held = store.writes.held  # type: ignore[attr-defined]
+    pool: sa.QueuePool = store.engine.pool  # type: ignore[assignment]
+    taken = [held.take() for _ in range(3)]  # three writes at once, say
+    for pooled, session, since in taken:
+        held.give(pooled, session, since, True)
+    assert len(held.idle) == 3 and pool.checkedout() == 3
+    # The two oldest have been out of the pool past HOLD_S; the newest serves on.
+    (a, sa_, t), (b, sb, _), newest = list(held.idle)
+    held.idle.clear()
+    held.idle.extend([(a, sa_, t - held.HOLD_S), (b, sb, t - held.HOLD_S), newest])
+    run, guard = _running(store)
+    store.commit(run, guard, Commit(steps=[_step()]))
+    assert list(held.idle) == [newest]
+    assert pool.checkedout() == 1
+    store.close()
+
+
 def test_a_store_speaks_utf8_whatever_the_client_encoding(db_url: str) -> None:
     store = SqlStore(db_url, connect_args={"options": "-c client_encoding=LATIN1"})
     run, guard = _running(store)

@@ -60,8 +60,11 @@ class Held(Generic[S]):
         sa.event.listen(engine, "handle_error", self._on_error)
 
     def take(self) -> tuple[Any, S, float]:
+        idle = self.idle
+        if idle:
+            self._age_out(idle)
         try:
-            return self.idle.pop()
+            return idle.pop()  # the newest: the most recently used connection
         except IndexError:
             pass
         try:
@@ -84,6 +87,18 @@ class Held(Generic[S]):
             self.idle.append((pooled, session, since))
         else:
             pooled.close()
+
+    def _age_out(self, idle: deque[tuple[Any, S, float]]) -> None:
+        # The oldest may sit unused while the newest serves every write: it too goes
+        # back to the pool once out of it for HOLD_S (one per take is enough).
+        try:
+            oldest = idle[0]
+            if time.monotonic() - oldest[2] < self.HOLD_S:
+                return
+            idle.remove(oldest)
+        except (IndexError, ValueError):
+            return  # another thread took it meanwhile
+        oldest[0].close()
 
     def release(self, invalidate: bool = False) -> None:
         while True:

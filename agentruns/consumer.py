@@ -2,8 +2,8 @@
 
 With task events on (for Flower), a worker sends three events per task. Celery
 buffers them and publishes whatever is buffered at the event loop's next turn;
-a busy worker's loop turns for nearly every message, so it published about one
-event per Redis ``PUBLISH``, a fifth of its consumer thread's time. This
+a busy worker's loop turns for nearly every message, so it published one to a
+few events per Redis ``PUBLISH``, a fifth of its consumer thread's time. This
 consumer publishes the buffer at most every ``EVENT_BATCH_S`` instead: Flower
 sees a task's events that much later, and a busy worker sends them a few dozen
 to a message. (``worker_consumer = "celery.worker.consumer:Consumer"`` in

@@ -486,7 +486,7 @@ def test_a_busy_worker_publishes_its_task_events_in_batches(
         wait_for(lambda: len(counter.events()) >= 120 or None, "the tasks' events")
     assert len(counter.events()) == 120
     publishes = len(counter.publishes)
-    assert publishes <= 120 / 4, counter.publishes  # Celery's consumer: about 1 per PUBLISH
+    assert publishes <= 120 / 4, counter.publishes  # Celery's consumer: 50 here
 
 
 def test_a_worker_stopping_publishes_the_task_events_it_still_held(

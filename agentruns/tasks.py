@@ -60,7 +60,7 @@ def _arguments_shown(task: Any, args: Any, kwargs: Any) -> tuple[str, str]:
     positional = list(args or ())
     named = dict(kwargs or {})
     shown_args = [_shown(name, value) for name, value in zip(names, positional, strict=False)]
-    shown_args += [_shown("", value) for value in positional[len(names) :]]
+    shown_args += positional[len(names) :]  # more than the task takes: shown as they are
     shown_kwargs = {key: _shown(key, value) for key, value in named.items()}
     return saferepr(tuple(shown_args)), saferepr(shown_kwargs)
 

@@ -369,93 +369,17 @@ def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:
     assert all(entry["options"]["expires"] == entry["schedule"] for entry in schedule.values())
 
 
-def test_task_events_show_no_trigger_payload_and_no_resume_token(
-    cluster: Cluster, celery_app: Any
-) -> None:
-    """What Flower shows of a task (its ``task-sent`` and ``task-received`` events)
-    holds neither a trigger's payload nor a resume token; the worker still gets both."""
-    from agentruns.tasks import dispatch, resume
-
-    cluster.workers("w1")
-    events: list[dict[str, Any]] = []
-    subscribed = redis.Redis.from_url(REDIS_URL).pubsub_numpat()
-    with celery_app.connection_for_read() as conn:
-        receiver = celery_app.events.Receiver(conn, handlers={"*": events.append})
-        listening = threading.Thread(target=receiver.capture, kwargs={"limit": None}, daemon=True)
-        listening.start()
-        # The receiver listens once its pattern subscription is there.
-        wait_for(lambda: redis.Redis.from_url(REDIS_URL).pubsub_numpat() > subscribed or None)
-        sent = dispatch.delay("quick", trigger({"card": "4111-SECRET"}), idempotency_key="shown")
-        answered = resume.delay("TOKEN-SECRET.sig", True)
-
-        def seen() -> list[dict[str, Any]] | None:
-            ids = {sent.id, answered.id}
-            kinds = {(e["type"], e["uuid"]) for e in events if e.get("uuid") in ids}
-            wanted = {(t, i) for t in ("task-sent", "task-received") for i in ids}
-            return [e for e in events if e.get("uuid") in ids] if wanted <= kinds else None
-
-        shown = wait_for(seen, "the tasks' sent and received events")
-        receiver.should_stop = True
-        listening.join(5)
-    for event in shown:
-        if event["type"] not in ("task-sent", "task-received"):
-            continue
-        text = f"{event['args']} {event['kwargs']}"
-        assert "SECRET" not in text, event
-        assert ("<payload>" if event["uuid"] == sent.id else "<resume token>") in text, event
-    # The worker had the payload: the run it stored holds it.
-    run = wait_for(lambda: completed_run(cluster, "shown"), "the dispatched run")
-    assert run["trigger"]["payload"] == {"card": "4111-SECRET"}
-
-
-def completed_run(cluster: Cluster, idempotency_key: str) -> dict[str, Any] | None:
-    import psycopg
-
-    url = cluster.env["AGENTRUNS_DATABASE_URL"].replace("+psycopg", "", 1)
-    with psycopg.connect(url) as conn:
-        row = conn.execute(
-            "SELECT status, trigger FROM agentruns_runs WHERE idempotency_key = %s",
-            (idempotency_key,),
-        ).fetchone()
-    if row is None or row[0] != "completed":
-        return None
-    return {"status": row[0], "trigger": row[1]}
-
-
-def _task_event_publishes(
-    client: redis.Redis, stop: threading.Event, seen: list[list[tuple[str, str]]]
-) -> None:
-    """Collect, per Redis PUBLISH of a worker's task events, the (type, task id) it carried."""
-    import base64
-    import json
-
-    pubsub = client.pubsub()
-    pubsub.psubscribe("*celeryev*")
-    while not stop.is_set():
-        message = pubsub.get_message(timeout=0.1)
-        if message is None or message["type"] != "pmessage":
-            continue
-        envelope = json.loads(message["data"])
-        body = json.loads(base64.b64decode(envelope["body"]))
-        events = body if isinstance(body, list) else [body]
-        tasks = [(e["type"], e["uuid"]) for e in events if e.get("type", "").startswith("task-")]
-        if tasks and all(kind != "task-sent" for kind, _ in tasks):  # the worker's, not ours
-            seen.append(tasks)
-    pubsub.close()
-
-
-class EventCounter:
-    """The worker task events published on this Redis while the block runs."""
+class TaskEvents:
+    """The task events published on this Redis while the block runs, as they went out:
+    one list per PUBLISH (what Flower's receiver decodes, read off the wire)."""
 
     def __init__(self) -> None:
         self.client = redis.Redis.from_url(REDIS_URL)
         self.stop = threading.Event()
-        self.publishes: list[list[tuple[str, str]]] = []
-        self._thread = threading.Thread(
-            target=_task_event_publishes, args=(self.client, self.stop, self.publishes)
-        )
+        self.publishes: list[list[dict[str, Any]]] = []
+        self._thread = threading.Thread(target=self._listen)
 
-    def __enter__(self) -> EventCounter:
+    def __enter__(self) -> TaskEvents:
         before = self.client.pubsub_numpat()
         self._thread.start()
         wait_for(lambda: self.client.pubsub_numpat() > before or None, "the event subscription")
@@ -465,8 +389,60 @@ class EventCounter:
         self.stop.set()
         self._thread.join(5)
 
-    def events(self) -> list[tuple[str, str]]:
-        return [event for publish in list(self.publishes) for event in publish]
+    def _listen(self) -> None:
+        import base64
+        import json
+
+        pubsub = self.client.pubsub()
+        pubsub.psubscribe("*celeryev*")
+        while not self.stop.is_set():
+            message = pubsub.get_message(timeout=0.1)
+            if message is None or message["type"] != "pmessage":
+                continue
+            body = json.loads(base64.b64decode(json.loads(message["data"])["body"]))
+            events = body if isinstance(body, list) else [body]
+            tasks = [e for e in events if e.get("type", "").startswith("task-")]
+            if tasks:
+                self.publishes.append(tasks)
+        pubsub.close()
+
+    def of(self, *task_ids: str) -> list[dict[str, Any]]:
+        return [e for publish in list(self.publishes) for e in publish if e["uuid"] in task_ids]
+
+    def worker_publishes(self) -> list[list[dict[str, Any]]]:
+        """The workers' publishes (a producer's ``task-sent`` goes out alone)."""
+        return [p for p in list(self.publishes) if all(e["type"] != "task-sent" for e in p)]
+
+
+def test_task_events_show_no_trigger_payload_and_no_resume_token(
+    cluster: Cluster, engine: Engine
+) -> None:
+    """What Flower shows of a task (its ``task-sent`` and ``task-received`` events)
+    holds neither a trigger's payload nor a resume token; the worker still gets both."""
+    from agentruns.tasks import dispatch, resume
+
+    cluster.workers("w1")
+    with TaskEvents() as events:
+        sent = dispatch.delay("quick", trigger({"card": "4111-SECRET"}), idempotency_key="shown")
+        answered = resume.delay("TOKEN-SECRET.sig", True)
+        kinds = ("task-sent", "task-received")
+        wanted = {(kind, i) for kind in kinds for i in (sent.id, answered.id)}
+
+        def seen() -> list[dict[str, Any]] | None:
+            shown = [e for e in events.of(sent.id, answered.id) if e["type"] in kinds]
+            return shown if wanted <= {(e["type"], e["uuid"]) for e in shown} else None
+
+        shown = wait_for(seen, "the tasks' sent and received events")
+    for event in shown:
+        text = f"{event['args']} {event['kwargs']}"
+        assert "SECRET" not in text, event
+        assert ("<payload>" if event["uuid"] == sent.id else "<resume token>") in text, event
+    # The worker had the payload: the run it stored holds it.
+    run = wait_for(
+        lambda: next((r for r in engine.list_runs() if r.idempotency_key == "shown"), None),
+        "the dispatched run",
+    )
+    assert run.trigger.payload == {"card": "4111-SECRET"}
 
 
 def test_a_busy_worker_publishes_its_task_events_in_batches(
@@ -475,18 +451,22 @@ def test_a_busy_worker_publishes_its_task_events_in_batches(
     from agentruns.tasks import dispatch
 
     cluster.workers("w1", concurrency=20)
-    with EventCounter() as counter:
+    with TaskEvents() as events:
         for i in range(40):
             dispatch.delay("quick", trigger({"n": i}), idempotency_key=f"batch-{i}")
         wait_for(
             lambda: sum(r.status is RunStatus.COMPLETED for r in engine.list_runs()) == 40 or None,
             "40 completed runs",
         )
+
         # Each task's received, started and succeeded events arrive, and together.
-        wait_for(lambda: len(counter.events()) >= 120 or None, "the tasks' events")
-    assert len(counter.events()) == 120
-    publishes = len(counter.publishes)
-    assert publishes <= 120 / 4, counter.publishes  # Celery's consumer: 50 here
+        def sent() -> int:
+            return sum(len(p) for p in events.worker_publishes())
+
+        wait_for(lambda: sent() >= 120 or None, "the tasks' events")
+    assert sent() == 120
+    publishes = events.worker_publishes()
+    assert len(publishes) <= 120 / 4, publishes  # Celery's consumer: 50 here
 
 
 def test_a_worker_stopping_publishes_the_task_events_it_still_held(
@@ -495,13 +475,16 @@ def test_a_worker_stopping_publishes_the_task_events_it_still_held(
     from agentruns.tasks import dispatch
 
     (worker,) = cluster.workers("w1")
-    with EventCounter() as counter:
+    with TaskEvents() as events:
         sent = dispatch.delay("charger", trigger({"card": "4242"}), idempotency_key="last")
         run = wait_for(lambda: next(iter(engine.list_runs()), None), "the run to be stored")
         wait_for(lambda: engine.steps(run.id), "the first step to be saved")
         worker.popen.send_signal(signal.SIGTERM)  # the task returns as the worker drains
         assert worker.popen.wait(timeout=10) == 0
-        wait_for(lambda: ("task-succeeded", sent.id) in counter.events() or None, "its event")
+        wait_for(
+            lambda: [e for e in events.of(sent.id) if e["type"] == "task-succeeded"] or None,
+            "its task-succeeded event",
+        )
 
 
 def test_the_event_batching_arms_one_flush_and_rearms_after_a_lost_one(

@@ -13,4 +13,7 @@ LONG_STEPS = 400
 LONG_LATENCY_S = float(os.environ.get("AGENTRUNS_BENCH_LONG_LATENCY", "0.25"))
 
 throughput = workload.agent("bench_throughput", THROUGHPUT_STEPS, THROUGHPUT_LATENCY_S)
+# Figure 4b's control: the same second of model time per run in ONE step (one model
+# call, no tool), so the engine does the least a run can: store, claim, one write.
+one_step = workload.agent("bench_one_step", 1, THROUGHPUT_STEPS * THROUGHPUT_LATENCY_S)
 long_run = workload.agent("bench_long", LONG_STEPS, LONG_LATENCY_S)

@@ -445,6 +445,24 @@ def test_task_events_show_no_trigger_payload_and_no_resume_token(
     assert run.trigger.payload == {"card": "4111-SECRET"}
 
 
+def test_what_a_task_shows_of_its_arguments_stays_within_celerys_bound() -> None:
+    """Celery cuts its own ``argsrepr`` at 1,024 characters; the one agentruns gives
+    instead is cut there too, and an argument whose ``repr`` fails still shows."""
+    from agentruns.tasks import _arguments_shown, dispatch
+
+    class Unshowable:
+        def __repr__(self) -> str:
+            raise RuntimeError("no repr")
+
+    shown_args, shown_kwargs = _arguments_shown(
+        dispatch, ("a" * 5000, trigger({"card": "SECRET"})), {"thread": Unshowable()}
+    )
+    assert len(shown_args) == 1024 and shown_args.startswith("('aaa") and shown_args.endswith("...")
+    assert "Unshowable" in shown_kwargs
+    shown_args, _ = _arguments_shown(dispatch, ("quick", trigger({"card": "SECRET"})), {})
+    assert "SECRET" not in shown_args and "<payload>" in shown_args
+
+
 def test_a_busy_worker_publishes_its_task_events_in_batches(
     cluster: Cluster, engine: Engine
 ) -> None:

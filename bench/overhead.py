@@ -174,7 +174,9 @@ def measure(ids: set[str], repeat: int, quick: bool) -> list[Figure]:
                 target=0.5,
                 note=f"a small commit took {median(commit_ms):.2f} ms here meanwhile, and a"
                 f" SELECT 1 {select_ms:.2f} ms (medians); a step makes two statements, one"
-                f" durable: {median(commit_ms) + select_ms:.2f} ms before any work of their own",
+                f" durable: {median(commit_ms) + select_ms:.2f} ms before any work of their own;"
+                f" this process's CPU per step: {median([median(b.cpu_ms) for b in shorts]):.2f}"
+                " ms",
                 detail={**_batches_detail(shorts, sizes.short_runs), **context},
             ),
             Figure(

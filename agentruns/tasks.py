@@ -62,22 +62,23 @@ def _arguments_shown(task: Any, args: Any, kwargs: Any) -> tuple[str, str]:
     shown_args = [_shown(name, value) for name, value in zip(names, positional, strict=False)]
     shown_args += positional[len(names) :]  # more than the task takes: shown as they are
     shown_kwargs = {key: _shown(key, value) for key, value in named.items()}
-    return _repr(tuple(shown_args)), _repr(shown_kwargs)
+    amqp = task.app.amqp
+    return (
+        _repr(tuple(shown_args), amqp.argsrepr_maxsize),
+        _repr(shown_kwargs, amqp.kwargsrepr_maxsize),
+    )
 
 
-# Celery's own bound on an argsrepr or kwargsrepr (``app.amqp.argsrepr_maxsize``).
-_REPR_MAX = 1024
-
-
-def _repr(value: Any) -> str:
-    """``repr``, cut at Celery's bound. The arguments are JSON's types and small once
-    the payload is hidden, and ``repr`` is about ten times cheaper per send than
-    Celery's ``saferepr`` (which guards against what they cannot hold)."""
+def _repr(value: Any, most: int) -> str:
+    """``repr``, cut at Celery's bound (``app.amqp.argsrepr_maxsize`` and its kwargs
+    twin). The arguments are JSON's types and small once the payload is hidden, and
+    ``repr`` is about ten times cheaper per send than Celery's ``saferepr`` (which
+    guards against what they cannot hold)."""
     try:
         text = repr(value)
     except Exception:
-        return str(saferepr(value, _REPR_MAX))
-    return text if len(text) <= _REPR_MAX else text[: _REPR_MAX - 3] + "..."
+        return str(saferepr(value, most))
+    return text if len(text) <= most else text[: most - 3] + "..."
 
 
 @functools.cache

@@ -20,7 +20,9 @@ from typing import Any, TypeVar
 from celery import Task
 from celery.exceptions import Reject
 from celery.utils.saferepr import saferepr
+from kombu.utils.uuid import uuid
 
+from agentruns.broker import send_together
 from agentruns.celery import app, get_engine, shutting_down
 from agentruns.errors import AgentrunsError
 from agentruns.runs import Run, RunStatus
@@ -47,10 +49,28 @@ class _Task(Task):  # type: ignore[misc]
     a large payload also cost a producer about a fifth of its CPU per send.)
     """
 
-    def apply_async(self, args: Any = None, kwargs: Any = None, *rest: Any, **options: Any) -> Any:
+    def apply_async(
+        self,
+        args: Any = None,
+        kwargs: Any = None,
+        task_id: str | None = None,
+        producer: Any = None,
+        *rest: Any,
+        **options: Any,
+    ) -> Any:
+        """Celery's ``apply_async``; the message and its ``task-sent`` event are sent
+        together, in one round trip (``agentruns.broker.send_together``)."""
         if "argsrepr" not in options and "kwargsrepr" not in options:
             options["argsrepr"], options["kwargsrepr"] = _arguments_shown(self, args, kwargs)
-        return super().apply_async(args, kwargs, *rest, **options)
+        if self.app.conf.task_always_eager or options.get("connection") is not None:
+            return Task.apply_async(self, args, kwargs, task_id, producer, *rest, **options)
+        # One id for both tries: a second copy of the message is then a duplicate.
+        task_id = task_id or uuid()
+
+        def send(pooled: Any) -> Any:
+            return Task.apply_async(self, args, kwargs, task_id, pooled, *rest, **options)
+
+        return send_together(self.app, send, producer)
 
 
 def _arguments_shown(task: Any, args: Any, kwargs: Any) -> tuple[str, str]:

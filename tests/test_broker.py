@@ -1,18 +1,23 @@
-"""agentruns' Redis transport for Celery: the same transport, one Redis client per channel."""
+"""agentruns' Redis transport for Celery (the same transport, one Redis client per channel),
+and a producer's task and ``task-sent`` event sent in one round trip."""
 
 from __future__ import annotations
 
+import json
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 from celery import Celery
 from kombu import Connection
+from redis.connection import AbstractConnection
 
 from agentruns.broker import TRANSPORT, Transport
 from agentruns.celery import _pick_transport
-from tests.conftest import REDIS_URL
+from bench.cluster import forget_queue
+from tests.conftest import REDIS_URL, trigger
 
 
 def _clients_made_by(transport: str | None, monkeypatch: pytest.MonkeyPatch) -> int:
@@ -83,3 +88,103 @@ def test_the_agentruns_app_connects_through_it() -> None:
     assert str(app.conf.broker_url).startswith("redis://")  # the default, and the tests'
     with app.connection_for_write() as conn:
         assert isinstance(conn.transport, Transport)
+
+
+# -- a task and its task-sent event, sent together ----------------------------------------
+
+
+@pytest.fixture
+def queue() -> Iterator[str]:
+    """``agentruns.celery.app`` sending to a queue of this test's own (no worker reads it)."""
+    from agentruns.celery import app
+
+    name = f"agentruns-test-broker-{uuid.uuid4().hex[:8]}"
+    before = {"broker_url": app.conf.broker_url, "task_default_queue": app.conf.task_default_queue}
+    app.conf.update(broker_url=REDIS_URL, task_default_queue=name)
+    try:
+        yield name
+    finally:
+        app.conf.update(before)
+        forget_queue(name)
+
+
+class RoundTrips:
+    """What this process sends to Redis, one entry per round trip (a pipeline is one)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.sent: list[bytes] = []
+        original = AbstractConnection.send_packed_command
+
+        def spy(conn: Any, command: Any, check_health: bool = True) -> None:
+            parts = [command] if isinstance(command, bytes | str) else list(command)
+            chunks = (p.encode() if isinstance(p, str) else bytes(p) for p in parts)
+            self.sent.append(b"".join(chunks))
+            original(conn, command, check_health)
+
+        monkeypatch.setattr(AbstractConnection, "send_packed_command", spy)
+
+
+def _queued_ids(queue: str) -> list[str]:
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        return [json.loads(m)["headers"]["id"] for m in client.lrange(queue, 0, -1)]
+    finally:
+        client.close()
+
+
+def test_a_task_and_its_sent_event_reach_redis_in_one_round_trip(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from celery import Task
+
+    from agentruns.tasks import dispatch
+
+    assert dispatch.app.conf.task_send_sent_event
+    dispatch.delay("quick", trigger({}), idempotency_key="warm")  # connects
+    trips = RoundTrips(monkeypatch)
+    sent = dispatch.delay("quick", trigger({}), idempotency_key="together")
+    assert len(trips.sent) == 1
+    assert b"LPUSH" in trips.sent[0] and b"PUBLISH" in trips.sent[0]
+    # Celery's own apply_async, for comparison: the message, then the event.
+    trips.sent.clear()
+    alone = Task.apply_async(dispatch, ("quick", trigger({})), {"idempotency_key": "apart"})
+    assert [b"LPUSH" in s for s in trips.sent] == [True, False]
+    assert _queued_ids(queue)[::-1][1:] == [sent.id, alone.id]
+
+
+def test_a_failed_batch_is_sent_again_under_the_same_task_id(
+    queue: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whether a failed pipeline reached Redis is unknown: the task is sent again,
+    the usual way, with the id its caller gets back (a copy is only a duplicate)."""
+    from agentruns.tasks import dispatch
+
+    execute = redis.client.Pipeline.execute
+    failures: list[int] = []
+
+    def failing_once(pipe: Any, raise_on_error: bool = True) -> Any:
+        if not failures:
+            failures.append(1)
+            raise redis.ConnectionError("the pipeline broke")
+        return execute(pipe, raise_on_error)
+
+    warm = dispatch.delay("quick", trigger({}), idempotency_key="warm")  # connects
+    monkeypatch.setattr(redis.client.Pipeline, "execute", failing_once)
+    sent = dispatch.delay("quick", trigger({}), idempotency_key="again")
+    assert failures == [1]
+    assert _queued_ids(queue) == [sent.id, warm.id]
+    assert "sending it again" in caplog.text
+
+
+def test_the_schedulers_execute_nudge_goes_in_one_round_trip_too(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from agentruns import CeleryScheduler
+    from agentruns.celery import app
+
+    scheduler = CeleryScheduler(app)
+    scheduler.schedule("run-warm")
+    trips = RoundTrips(monkeypatch)
+    scheduler.schedule("run-1")
+    assert len(trips.sent) == 1 and b"LPUSH" in trips.sent[0] and b"PUBLISH" in trips.sent[0]
+    assert len(_queued_ids(queue)) == 2

@@ -32,8 +32,18 @@ class CeleryScheduler:
         pass  # executions happen in workers, through the task
 
     def schedule(self, run_id: str) -> None:
+        from kombu.utils.uuid import uuid
+
+        from agentruns.broker import send_together
+
+        task_id = uuid()  # one id for both tries of send_together: a copy is a duplicate
         try:
-            self.app.send_task(self._task_name, args=[run_id])
+            send_together(
+                self.app,
+                lambda producer: self.app.send_task(
+                    self._task_name, args=[run_id], task_id=task_id, producer=producer
+                ),
+            )
         except Exception:
             # The write that queued the run has committed; a lost nudge is what
             # recover() exists for, so the caller's call still succeeded.

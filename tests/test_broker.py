@@ -188,3 +188,22 @@ def test_the_schedulers_execute_nudge_goes_in_one_round_trip_too(
     scheduler.schedule("run-1")
     assert len(trips.sent) == 1 and b"LPUSH" in trips.sent[0] and b"PUBLISH" in trips.sent[0]
     assert len(_queued_ids(queue)) == 2
+
+
+def test_a_callers_batch_sends_many_dispatches_in_one_round_trip(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Inside a batch the caller holds (README, "Producers"), dispatches wait for it:
+    they go out together when it closes, not one round trip each."""
+    from agentruns.tasks import dispatch
+
+    dispatch.delay("quick", trigger({}), idempotency_key="warm")  # connects
+    trips = RoundTrips(monkeypatch)
+    with dispatch.app.producer_or_acquire() as producer, producer.batch():
+        sent = [
+            dispatch.apply_async(("quick", trigger({"n": i})), producer=producer).id
+            for i in range(10)
+        ]
+        assert trips.sent == []
+    assert len(trips.sent) == 1 and trips.sent[0].count(b"LPUSH") == 10
+    assert _queued_ids(queue)[::-1][1:] == sent

@@ -207,3 +207,24 @@ def test_a_callers_batch_sends_many_dispatches_in_one_round_trip(
         assert trips.sent == []
     assert len(trips.sent) == 1 and trips.sent[0].count(b"LPUSH") == 10
     assert _queued_ids(queue)[::-1][1:] == sent
+
+
+def test_an_eager_task_runs_here_and_sends_nothing(
+    queue: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``task_always_eager`` (a test setup's choice), a task runs in the caller,
+    as Celery's would: no batch is opened and nothing reaches Redis."""
+    from agentruns import tasks
+
+    ticked: list[bool] = []
+
+    class Engine:
+        def tick(self) -> None:
+            ticked.append(True)
+
+    monkeypatch.setattr(tasks, "get_engine", Engine)
+    monkeypatch.setitem(tasks.app.conf, "task_always_eager", True)
+    trips = RoundTrips(monkeypatch)
+    result = tasks.tick.delay()
+    assert result.successful() and ticked == [True]
+    assert trips.sent == [] and _queued_ids(queue) == []

@@ -62,7 +62,7 @@ class _Task(Task):  # type: ignore[misc]
         together, in one round trip (``agentruns.broker.send_together``)."""
         if "argsrepr" not in options and "kwargsrepr" not in options:
             options["argsrepr"], options["kwargsrepr"] = _arguments_shown(self, args, kwargs)
-        if self.app.conf.task_always_eager or options.get("connection") is not None:
+        if options.get("connection") is not None:  # Celery makes a producer of its own
             return Task.apply_async(self, args, kwargs, task_id, producer, *rest, **options)
         # One id for both tries: a second copy of the message is then a duplicate.
         task_id = task_id or uuid()

@@ -228,3 +228,20 @@ def test_an_eager_task_runs_here_and_sends_nothing(
     result = tasks.tick.delay()
     assert result.successful() and ticked == [True]
     assert trips.sent == [] and _queued_ids(queue) == []
+
+
+def test_a_dispatch_that_fails_inside_a_callers_batch_leaves_the_rest_of_it(
+    queue: str,
+) -> None:
+    """A trigger that is not JSON fails its own dispatch; the caller's batch still
+    sends the dispatches around it (kombu's nested batches would abort it all)."""
+    from kombu.exceptions import EncodeError
+
+    from agentruns.tasks import dispatch
+
+    with dispatch.app.producer_or_acquire() as producer, producer.batch():
+        before = dispatch.apply_async(("quick", trigger({})), producer=producer).id
+        with pytest.raises(EncodeError):
+            dispatch.apply_async(("quick", trigger({"at": object()})), producer=producer)
+        after = dispatch.apply_async(("quick", trigger({})), producer=producer).id
+    assert _queued_ids(queue)[::-1] == [before, after]

@@ -101,8 +101,8 @@ def one_batch(
         wait_for(finished, f"{sizes.runs} runs to complete", timeout=60 + sizes.runs / 5, every=0.1)
     except TimeoutError as exc:
         raise TimeoutError(f"{exc}: {_counts(conn, batch)}") from None
-    first_created, last_finished, latency, wait, busy = conn.execute(
-        "SELECT min(created_at), max(finished_at),"
+    last_finished, latency, wait, busy = conn.execute(
+        "SELECT max(finished_at),"
         " percentile_cont(ARRAY[0.5, 0.95]) WITHIN GROUP"
         " (ORDER BY extract(epoch FROM finished_at - created_at)),"
         " percentile_cont(ARRAY[0.5, 0.95]) WITHIN GROUP"
@@ -112,6 +112,17 @@ def one_batch(
         (f"{batch}-%",),
     ).fetchone()
     elapsed = (last_finished - started).total_seconds()
+    # When runs were stored (a worker stores a run as it takes its message): how
+    # long the slots took to fill, and when the last run could start.
+    stored = [
+        (row[0] - started).total_seconds()
+        for row in conn.execute(
+            "SELECT created_at FROM agentruns_runs WHERE idempotency_key LIKE %s"
+            " ORDER BY created_at",
+            (f"{batch}-%",),
+        )
+    ]
+    slots = sizes.workers * sizes.concurrency
     worker_cpu = sum((w.cpu_seconds() or 0.0) - b for w, b in zip(workers, cpu_before, strict=True))
     services = cpu_by_command()
     busy_after = machine_busy_seconds()
@@ -124,7 +135,9 @@ def one_batch(
         "seconds": elapsed,
         "runs_per_s": sizes.runs / elapsed,
         "dispatch_send_s": sent_s,
-        "first_stored_after_s": (first_created - started).total_seconds(),
+        "first_stored_after_s": stored[0],
+        "slots_filled_after_s": stored[min(slots, len(stored)) - 1],
+        "last_stored_after_s": stored[-1],
         "run_latency_p50_s": latency[0],
         "run_latency_p95_s": latency[1],
         # Stored until first claimed: time in the broker queue and the worker's prefetch.

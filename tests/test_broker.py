@@ -245,3 +245,20 @@ def test_a_dispatch_that_fails_inside_a_callers_batch_leaves_the_rest_of_it(
             dispatch.apply_async(("quick", trigger({"at": object()})), producer=producer)
         after = dispatch.apply_async(("quick", trigger({})), producer=producer).id
     assert _queued_ids(queue)[::-1] == [before, after]
+
+
+def test_a_broker_without_publish_batches_gets_each_send_at_once() -> None:
+    """Only kombu's Redis transport batches; on another broker a send goes out
+    inside ``send_together`` at once, as Celery's own would."""
+    from agentruns.broker import send_together
+
+    app = Celery("elsewhere", broker="memory://", set_as_current=False)
+    app.conf.task_send_sent_event = True
+    with app.connection_for_read() as conn:
+        queue = conn.SimpleQueue("celery")
+        try:
+            sent = send_together(app, lambda producer: app.send_task("t", producer=producer))
+            message = queue.get(timeout=1)
+            assert message.headers["id"] == sent.id
+        finally:
+            queue.close()

@@ -173,12 +173,18 @@ def completed(engine: Engine, run_id: str) -> Run | None:
 # -- the tests --------------------------------------------------------------------------------
 
 
-def test_runs_sent_with_delay_complete_across_two_workers(cluster: Cluster, engine: Engine) -> None:
+def test_runs_sent_one_by_one_or_in_a_batch_complete_across_two_workers(cluster: Cluster, engine: Engine) -> None:
+    """Half sent one by one, half in one producer batch (README, "Producers")."""
     from agentruns.tasks import dispatch
 
     cluster.workers("w1", "w2")
-    for i in range(30):
+    for i in range(15):
         dispatch.delay("quick", trigger({"n": i}), idempotency_key=f"run-{i}")
+    with dispatch.app.producer_or_acquire() as producer, producer.batch():
+        for i in range(15, 30):
+            dispatch.apply_async(
+                ("quick", trigger({"n": i})), {"idempotency_key": f"run-{i}"}, producer=producer
+            )
     dispatch.delay("quick", trigger({"n": 7}), idempotency_key="run-7")  # a duplicate
 
     def all_completed() -> list[Run] | None:

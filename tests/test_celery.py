@@ -173,7 +173,9 @@ def completed(engine: Engine, run_id: str) -> Run | None:
 # -- the tests --------------------------------------------------------------------------------
 
 
-def test_runs_sent_one_by_one_or_in_a_batch_complete_across_two_workers(cluster: Cluster, engine: Engine) -> None:
+def test_runs_sent_one_by_one_or_in_a_batch_complete_across_two_workers(
+    cluster: Cluster, engine: Engine
+) -> None:
     """Half sent one by one, half in one producer batch (README, "Producers")."""
     from agentruns.tasks import dispatch
 

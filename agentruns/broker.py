@@ -23,6 +23,7 @@ from typing import Any, TypeVar
 
 from kombu import exceptions as kombu_exceptions
 from kombu.transport import redis as kombu_redis
+from kombu.utils.uuid import uuid
 
 log = logging.getLogger("agentruns")
 T = TypeVar("T")
@@ -59,8 +60,10 @@ def transport_for(url: str) -> str | None:
     return TRANSPORT if url.startswith(("redis://", "rediss://")) else None
 
 
-def send_together(app: Any, send: Callable[[Any], T], producer: Any = None) -> T:
-    """``send(producer)``, with everything it publishes reaching the broker at once.
+def send_together(
+    app: Any, send: Callable[[Any, str], T], producer: Any = None, task_id: str | None = None
+) -> T:
+    """``send(producer, task_id)``, with everything it publishes reaching the broker at once.
 
     Celery publishes a task's message and then, with ``task_send_sent_event`` (on
     in agentruns' settings, for Flower), its ``task-sent`` event: on Redis, two
@@ -74,21 +77,22 @@ def send_together(app: Any, send: Callable[[Any], T], producer: Any = None) -> T
     would discard everything the caller's batch holds.
 
     A pipeline that fails may or may not have reached Redis. ``send`` then runs
-    once more, the usual way (with Celery's publish retries), so ``send`` must
-    reuse its task id: a second copy is a duplicate, which every agentruns
-    message is allowed to be (the claim decides, and a dispatch's idempotency key
-    is the task id unless the caller gave one).
+    once more, the usual way (with Celery's publish retries), with the same
+    ``task_id`` (one is made when none is given): a second copy is a duplicate,
+    which every agentruns message is allowed to be (the claim decides, and a
+    dispatch's idempotency key is the task id unless the caller gave one).
     """
+    task_id = task_id or uuid()
     with app.producer_or_acquire(producer) as pooled:
         batch = getattr(pooled, "batch", None)
         if batch is None or _BATCH_FAILED is None or _batching(pooled):
-            return send(pooled)
+            return send(pooled, task_id)
         try:
             with batch():
-                return send(pooled)
+                return send(pooled, task_id)
         except _BATCH_FAILED as exc:
             log.warning("a batched publish failed (%s); sending it again", exc)
-            return send(pooled)
+            return send(pooled, task_id)
 
 
 def _batching(producer: Any) -> bool:

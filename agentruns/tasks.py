@@ -20,7 +20,6 @@ from typing import Any, TypeVar
 from celery import Task
 from celery.exceptions import Reject
 from celery.utils.saferepr import saferepr
-from kombu.utils.uuid import uuid
 
 from agentruns.broker import send_together
 from agentruns.celery import app, get_engine, shutting_down
@@ -64,13 +63,11 @@ class _Task(Task):  # type: ignore[misc]
             options["argsrepr"], options["kwargsrepr"] = _arguments_shown(self, args, kwargs)
         if options.get("connection") is not None:  # Celery makes a producer of its own
             return Task.apply_async(self, args, kwargs, task_id, producer, *rest, **options)
-        # One id for both tries: a second copy of the message is then a duplicate.
-        task_id = task_id or uuid()
 
-        def send(pooled: Any) -> Any:
-            return Task.apply_async(self, args, kwargs, task_id, pooled, *rest, **options)
+        def send(pooled: Any, sent_id: str) -> Any:
+            return Task.apply_async(self, args, kwargs, sent_id, pooled, *rest, **options)
 
-        return send_together(self.app, send, producer)
+        return send_together(self.app, send, producer, task_id)
 
 
 def _arguments_shown(task: Any, args: Any, kwargs: Any) -> tuple[str, str]:

@@ -256,9 +256,15 @@ def test_a_broker_without_publish_batches_gets_each_send_at_once() -> None:
     app.conf.task_send_sent_event = True
     with app.connection_for_read() as conn:
         queue = conn.SimpleQueue("celery")
+        arrived: list[str] = []
+
+        def send(producer: Any, task_id: str) -> Any:
+            sent = app.send_task("t", producer=producer, task_id=task_id)
+            arrived.append(queue.get(timeout=1).headers["id"])  # before send_together returns
+            return sent
+
         try:
-            sent = send_together(app, lambda producer: app.send_task("t", producer=producer))
-            message = queue.get(timeout=1)
-            assert message.headers["id"] == sent.id
+            sent = send_together(app, send)
+            assert arrived == [sent.id]
         finally:
             queue.close()

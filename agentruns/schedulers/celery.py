@@ -32,15 +32,12 @@ class CeleryScheduler:
         pass  # executions happen in workers, through the task
 
     def schedule(self, run_id: str) -> None:
-        from kombu.utils.uuid import uuid
-
         from agentruns.broker import send_together
 
-        task_id = uuid()  # one id for both tries of send_together: a copy is a duplicate
         try:
             send_together(
                 self.app,
-                lambda producer: self.app.send_task(
+                lambda producer, task_id: self.app.send_task(
                     self._task_name, args=[run_id], task_id=task_id, producer=producer
                 ),
             )

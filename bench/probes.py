@@ -1,4 +1,5 @@
-"""What a figure's number is made of: commit latency here and round trips per step."""
+"""What a figure's number is made of: commit latency here, round trips per step and
+the time of the hot path's own statements."""
 
 from __future__ import annotations
 
@@ -44,12 +45,14 @@ def round_trip_ms(url: str, n: int = 200) -> float:
 
 
 class Counter:
-    """SQL statements (by their first words), transactions and Redis commands of one engine."""
+    """SQL statements (by their first words), transactions and Redis commands of one
+    engine, and the wall time of each hot-path statement (by its prepared name)."""
 
     def __init__(self, engine: Engine, leases: RedisLeases) -> None:
         self.sql: collections.Counter[str] = collections.Counter()
         self.commits = 0
         self.redis: collections.Counter[str] = collections.Counter()
+        self.hot_ms: collections.defaultdict[str, list[float]] = collections.defaultdict(list)
         store: Any = engine.store
         self._db: sa.Engine = store.engine
         sa.event.listen(self._db, "before_cursor_execute", self._statement)
@@ -61,7 +64,11 @@ class Counter:
 
         def row(statement: Any, *args: Any, **kwargs: Any) -> Any:
             self._statement(None, None, statement.text)
-            return self._row(statement, *args, **kwargs)  # type: ignore[misc]
+            start = time.perf_counter()
+            try:
+                return self._row(statement, *args, **kwargs)  # type: ignore[misc]
+            finally:
+                self.hot_ms[statement.name].append((time.perf_counter() - start) * 1000)
 
         if self._statements is not None:
             self._statements.row = row
@@ -85,6 +92,7 @@ class Counter:
     def reset(self) -> None:
         self.sql.clear()
         self.redis.clear()
+        self.hot_ms.clear()
         self.commits = 0
 
     def remove(self) -> None:
@@ -103,6 +111,9 @@ class Counter:
             "redis_commands": sum(self.redis.values()) / steps,
             "sql_by_statement": {k: round(n / steps, 3) for k, n in self.sql.most_common()},
             "redis_by_command": {k: round(n / steps, 3) for k, n in self.redis.most_common()},
+            # Each statement's round trip as this process waits for it: the server's
+            # work, the WAL flush of a durable one, and the driver's share.
+            "hot_statement_ms": {k: median(v) for k, v in sorted(self.hot_ms.items())},
         }
 
 

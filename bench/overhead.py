@@ -227,17 +227,12 @@ def measure(ids: set[str], repeat: int, quick: bool) -> list[Figure]:
 def _floor_note(hot_ms: dict[str, float], commit: float, select: float, cpu: float) -> str:
     """Figure 1's floor on this machine: the two writes every step must make (SPEC §4),
     timed as the engine waits for them, beside what a trivial commit and SELECT take."""
-    response, results = hot_ms.get(COMMIT_ONE.name), hot_ms.get(COMMIT_ONE_LAZY.name)
-    writes = (
+    response, results = hot_ms[COMMIT_ONE.name], hot_ms[COMMIT_ONE_LAZY.name]
+    return (
         f"a step's two writes took {response:.2f} ms (its response, durable) and"
         f" {results:.2f} ms (its tool results), {response + results:.2f} ms before the"
-        " engine's own work"
-        if response is not None and results is not None
-        else "a step makes two writes, one durable"
-    )
-    return (
-        f"{writes}; a small commit took {commit:.2f} ms here meanwhile, and a SELECT 1"
-        f" {select:.2f} ms (medians); this process's CPU per step: {cpu:.2f} ms"
+        f" engine's own work; a small commit took {commit:.2f} ms here meanwhile, and a"
+        f" SELECT 1 {select:.2f} ms (medians); this process's CPU per step: {cpu:.2f} ms"
     )
 
 

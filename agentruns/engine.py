@@ -26,6 +26,7 @@ from agentruns.errors import (
     InvalidTokenError,
     InvalidTriggerError,
     LeaseLostError,
+    RunNotFoundError,
     UnknownAgentError,
 )
 from agentruns.events import Events, EventType, Listener
@@ -41,6 +42,7 @@ from agentruns.runs import (
     RunStatus,
     Step,
     TriggerEnvelope,
+    is_utf8,
     utcnow,
 )
 from agentruns.schedulers.base import Scheduler
@@ -231,6 +233,13 @@ class Engine:
         if found is None:
             raise UnknownAgentError(name)
         envelope = _envelope(trigger)
+        for what, text in (
+            ("idempotency_key", idempotency_key),
+            ("concurrency_key", concurrency_key),
+            ("thread", thread),
+        ):
+            if text is not None and not (isinstance(text, str) and is_utf8(text)):
+                raise InvalidTriggerError(f"{what} must be UTF-8 text, not {text!r}")
         thread = thread if thread is not None else envelope.thread
         if concurrency_key is None:
             concurrency_key = found.key_for(envelope)
@@ -256,6 +265,7 @@ class Engine:
         """One execution of a queued run; does nothing if another engine has it."""
         # No read first: the claim is the check (a run that is not queued, or not
         # there, costs a lease round trip and a claim that matches nothing).
+        run_id = _run_id(run_id)
         while not self._slots.acquire(timeout=_SLOT_WAIT_S):
             if self._draining:
                 return self.store.get_run(run_id)
@@ -402,6 +412,10 @@ class Engine:
 
     def resume(self, token: str, *, approved: bool, reason: str | None = None) -> Run:
         """Answer the approval a token stands for, once; the run is queued again."""
+        if not isinstance(approved, bool):
+            raise TypeError(f"approved must be True or False, not {approved!r}")
+        if reason is not None and not (isinstance(reason, str) and is_utf8(reason)):
+            raise TypeError(f"reason must be UTF-8 text or None, not {reason!r}")
         claims = approvals.verify(self.secret, token)
         try:
             run = self.store.get_run(claims.run_id)
@@ -457,7 +471,7 @@ class Engine:
 
     def approval_token(self, run_id: str) -> str:
         """Mint the current resume token of a waiting run again (for an operator)."""
-        run = self.store.get_run(run_id)
+        run = self.store.get_run(_run_id(run_id))
         if run.status is not RunStatus.WAITING or run.waiting is None:
             raise AgentrunsError(f"run {run_id} is {run.status.value}, not waiting on an approval")
         return approvals.mint(self.secret, run.id, run.waiting)
@@ -465,7 +479,7 @@ class Engine:
     # -- control -------------------------------------------------------------------------------
 
     def cancel(self, run_id: str) -> Run:
-        run = self.store.request_cancel(run_id)
+        run = self.store.request_cancel(_run_id(run_id))
         if run.status is RunStatus.RUNNING:
             try:
                 self.leases.request_abort(run_id)
@@ -563,18 +577,22 @@ class Engine:
     # -- reads ----------------------------------------------------------------------------------
 
     def get_run(self, run_id: str) -> Run:
-        return self.store.get_run(run_id)
+        return self.store.get_run(_run_id(run_id))
 
     def list_runs(
         self, status: RunStatus | str | None = None, agent: str | None = None, limit: int = 100
     ) -> list[Run]:
+        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+            raise ValueError(f"limit must be a whole number from 1 to {MAX_LIMIT}, not {limit!r}")
+        if agent is not None and not is_utf8(agent):
+            return []  # no agent has such a name: dispatch refuses it
         return self.store.list_runs(RunStatus(status) if status else None, agent, limit)
 
     def steps(self, run_id: str) -> list[Step]:
-        return self.store.steps(run_id)
+        return self.store.steps(_run_id(run_id))
 
     def checkpoint(self, run_id: str) -> Checkpoint | None:
-        return self.store.checkpoint(run_id)
+        return self.store.checkpoint(_run_id(run_id))
 
     def on(self, event: EventType, listener: Listener) -> Callable[[], None]:
         return self.events.on(event, listener)
@@ -582,7 +600,8 @@ class Engine:
 
 def _envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelope:
     if isinstance(trigger, TriggerEnvelope):
-        return trigger
+        # Validated again: its fields may have been changed (or never checked) since.
+        trigger = trigger.model_dump()
     if not isinstance(trigger, dict):
         raise InvalidTriggerError("a trigger is a TriggerEnvelope or a dict of its fields")
     try:
@@ -592,3 +611,14 @@ def _envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelope:
             f"{'.'.join(str(p) for p in e['loc']) or 'trigger'}: {e['msg']}" for e in exc.errors()
         )
         raise InvalidTriggerError(f"invalid trigger: {problems}") from None
+
+
+# The most runs one read returns (SQLite and Postgres both take it as a LIMIT).
+MAX_LIMIT = 1_000_000_000
+
+
+def _run_id(run_id: str) -> str:
+    """``run_id``, or RunNotFoundError for what cannot be any run's id."""
+    if not isinstance(run_id, str) or not is_utf8(run_id):
+        raise RunNotFoundError(str(run_id))
+    return run_id

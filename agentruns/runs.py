@@ -8,6 +8,7 @@ from enum import StrEnum
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic_core import to_json
 
 
 def utcnow() -> datetime:
@@ -75,11 +76,31 @@ class Budget(_Model):
 
 
 def _check_json(value: Any) -> Any:
+    """``value`` if the store can keep it as JSON: no NaN, no set, no lone surrogate,
+    and nested no deeper than pydantic serializes (about 250 levels)."""
     try:
-        json.dumps(value, allow_nan=False)
+        to_json(value)  # first: it refuses deep nesting without recursing in Python
+        json.dumps(value, allow_nan=False, ensure_ascii=False).encode()
     except (TypeError, ValueError) as exc:
         raise ValueError(f"payload is not JSON: {exc}") from exc
     return value
+
+
+def _check_text(value: Any) -> Any:
+    """Text must be UTF-8 to be stored: a lone surrogate (from undecodable bytes) is not."""
+    texts = [value] if isinstance(value, str) else [*value, *value.values()] if value else []
+    for text in texts:
+        if not is_utf8(text):
+            raise ValueError(f"{text!r} is not valid UTF-8 text")
+    return value
+
+
+def is_utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 class TriggerEnvelope(_Model):
@@ -92,6 +113,9 @@ class TriggerEnvelope(_Model):
     received_at: datetime = Field(default_factory=utcnow)
 
     _check_payload = field_validator("payload")(classmethod(lambda cls, v: _check_json(v)))
+    _check_texts = field_validator("source", "trigger", "id", "keys", "thread")(
+        classmethod(lambda cls, v: _check_text(v))
+    )
 
     def first_message(self) -> dict[str, Any]:
         """The user message a new run starts from: source, trigger and payload only."""

@@ -142,7 +142,14 @@ def test_bad_tokens_are_refused_with_their_reason_and_change_nothing(
     with pytest.raises(InvalidTokenError) as err:
         foreign.resume(token, approved=True)
     assert err.value.reason == "bad_signature"
+    # A good token with answers that are not an answer: "no" is truthy, not a denial.
+    for answer in ({"approved": "no"}, {"approved": 1}, {"approved": True, "reason": {1}}):
+        with pytest.raises(TypeError):
+            engine.resume(token, **answer)
+    with pytest.raises(TypeError):
+        engine.resume(token, approved=False, reason="\ud800")
     assert (engine.get_run(run.id), engine.steps(run.id)) == before
+    assert calls == []
 
     engine.resume(token, approved=False)
     with pytest.raises(InvalidTokenError) as err:

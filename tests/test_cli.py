@@ -7,6 +7,7 @@ point at ports where nothing listens.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -311,7 +312,7 @@ def test_bad_tokens_say_why_and_change_nothing(cli: Cli) -> None:
 
     cli.json("approve", token)
     assert "(stale)" in cli.fails(2, "approve", token)
-    assert "not waiting" in cli.fails(1, "approve", "--run", run_id)
+    assert "is completed, not waiting" in cli.fails(2, "approve", "--run", run_id)
 
 
 def test_approve_needs_exactly_one_of_token_and_run(cli: Cli) -> None:
@@ -338,6 +339,29 @@ def test_usage_errors_are_one_line_and_exit_2(cli: Cli) -> None:
     assert "invalid choice" in cli.fails(2, "frobnicate")
     assert "invalid choice" in cli.fails(2, "runs", "--status", "sleeping")
     assert "required" in cli.fails(2, "show")
+    for limit in ("0", "-1", "99999999999999999999"):
+        assert "--limit: must be from 1 to" in cli.fails(2, "runs", "--limit", limit)
+    for interval in ("nan", "inf", "0"):
+        assert "--interval" in cli.fails(2, "watch", "--interval", interval)
+
+
+def test_text_that_is_not_utf8_is_refused_and_stores_nothing(cli: Cli) -> None:
+    undecodable = b"\xff\xfe".decode("utf-8", "surrogateescape")  # as argv holds such bytes
+    for argv in (
+        ["show", undecodable],
+        ["cancel", undecodable],
+        ["runs", "--agent", undecodable],
+        ["dispatch", "triage", "--thread", undecodable],
+        ["dispatch", "triage", "--key", f"k={undecodable}"],
+    ):
+        assert "is not valid UTF-8" in cli.fails(2, *argv)
+    # Valid JSON whose text no store can keep: a lone surrogate escape.
+    assert "surrogates not allowed" in cli.fails(2, "dispatch", "triage", "--payload", '"\\ud800"')
+    deep = "[" * 500 + "]" * 500
+    assert "payload is not JSON" in cli.fails(2, "dispatch", "triage", "--payload", deep)
+    deeper = "[" * 100_000 + "]" * 100_000
+    assert "--payload is not JSON" in cli.fails(2, "dispatch", "triage", "--payload", deeper)
+    assert cli.json("runs")["runs"] == []
 
 
 def test_agent_modules_that_do_not_import_are_one_line(
@@ -438,3 +462,52 @@ def test_errors_from_a_real_process_have_no_traceback(
     assert result.stdout == ""
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
     assert says in result.stderr
+
+
+def test_watch_prints_a_start_before_the_steps_of_that_execution(cli: Cli) -> None:
+    from agentruns.cli.session import Session
+    from agentruns.cli.watch import _Follower
+
+    engine = cli.engine()
+    out = io.StringIO()
+    follower = _Follower(Session(as_json=True, out=out), engine, history=True)
+
+    def lines() -> list[tuple[str, Any]]:
+        found = [json.loads(line) for line in out.getvalue().splitlines()]
+        out.truncate(0)
+        out.seek(0)
+        return [
+            ("run", e["run"]["status"])
+            if e["event"] == "run.updated"
+            else ("step", e["step"]["index"])
+            for e in found
+        ]
+
+    # Seen running, with its first step: the start comes first.
+    first = engine.dispatch(
+        "triage", {"source": "t", "trigger": "t", "payload": REPORT}, schedule=False
+    )
+    follower.poll([engine.get_run(first.id)], baseline=True)
+    stop = engine.on("step.appended", lambda e: follower.poll([engine.get_run(first.id)], False))
+    engine.execute(first.id)
+    stop()
+    follower.poll([engine.get_run(first.id)], baseline=False)
+    got = lines()
+    assert got[:3] == [("run", "queued"), ("run", "running"), ("step", 0)]
+    assert got[-1] == ("run", "waiting")
+    assert [i for kind, i in got if kind == "step"] == list(range(len(engine.steps(first.id))))
+
+    # Started and settled between two looks: the event that said it started is printed
+    # as the start, before the steps, and the settled status after them.
+    second = engine.dispatch(
+        "triage", {"source": "t", "trigger": "u", "payload": REPORT}, schedule=False
+    )
+    follower.poll([engine.get_run(second.id)], baseline=False)
+    follower.heard({"type": "run.updated", "run_id": second.id, "status": "running"})
+    engine.execute(second.id)
+    follower.poll([engine.get_run(second.id)], baseline=False)
+    steps = len(engine.steps(second.id))
+    assert lines() == [("run", "queued"), ("run", "running")] + [
+        ("step", i) for i in range(steps)
+    ] + [("run", "waiting")]
+    engine.close()

@@ -19,6 +19,7 @@ from agentruns import (
     RunNotFoundError,
     RunStatus,
     ToolContext,
+    TriggerEnvelope,
     UnknownAgentError,
     Usage,
     tool,
@@ -125,6 +126,44 @@ def test_dispatch_refuses_unknown_agent_and_non_json_payload_storing_nothing(
     assert engine.list_runs() == []
     with pytest.raises(RunNotFoundError):
         engine.get_run("no-such-run")
+
+
+def test_dispatch_refuses_what_no_store_can_keep_storing_nothing(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine([Agent("triage", ScriptedModel([text("ok")]))])
+    nested: Any = []
+    for _ in range(300):
+        nested = [nested]
+    lone = "\ud800"  # a lone surrogate, as undecodable bytes become: not UTF-8
+    bad_triggers = [
+        trigger(lone),
+        trigger(nested),
+        {"source": lone, "trigger": "t"},
+        {"source": "s", "trigger": "t", "keys": {"k": lone}},
+    ]
+    # An envelope is checked again on dispatch: it may have changed since it was made.
+    changed = TriggerEnvelope(source="s", trigger="t", payload={"a": []})
+    changed.payload["a"].append({1, 2})
+    bad_triggers += [changed, TriggerEnvelope.model_construct(source="s", payload={1})]
+    for bad in bad_triggers:
+        with pytest.raises(InvalidTriggerError):
+            engine.dispatch("triage", bad)
+    for name in ("idempotency_key", "concurrency_key", "thread"):
+        with pytest.raises(InvalidTriggerError, match=name):
+            engine.dispatch("triage", trigger({}), **{name: lone})
+    assert engine.list_runs() == []
+    assert engine.list_runs(agent=lone) == []
+    for call in (engine.get_run, engine.steps, engine.checkpoint, engine.cancel, engine.execute):
+        with pytest.raises(RunNotFoundError):
+            call(lone)
+    for limit in (0, -1, 10**20, True):
+        with pytest.raises(ValueError, match="limit must be"):
+            engine.list_runs(limit=limit)
+    fine: Any = []
+    for _ in range(200):
+        fine = [fine]
+    assert engine.dispatch("triage", trigger(fine)).trigger.payload == fine
 
 
 def _run_to_end(engine: Any, agent: str = "a", **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 
 from agentruns.cli.errors import describe
 from agentruns.cli.session import Session
+from agentruns.runs import is_utf8
 
 
 class _OneLine(logging.Formatter):
@@ -48,8 +49,14 @@ def _quiet_logging() -> Iterator[None]:
 def main(argv: Sequence[str] | None = None) -> int:
     from agentruns.cli.parser import build
 
+    words = sys.argv[1:] if argv is None else list(argv)
+    # Bytes that are not UTF-8 reach Python as lone surrogates: no store can keep them.
+    bad = next((word for word in words if not is_utf8(word)), None)
+    if bad is not None:
+        print(f"agentruns: error: argument {bad!r} is not valid UTF-8", file=sys.stderr)
+        return 2
     try:
-        args = build().parse_args(argv)
+        args = build().parse_args(words)
     except SystemExit as exc:  # --help, or a usage error already printed
         return exc.code if isinstance(exc.code, int) else 2
     with _quiet_logging():

@@ -83,6 +83,12 @@ def cmd_answer(session: Session, args: argparse.Namespace) -> int:
     if (args.token is None) == (args.run is None):
         raise CliError(f"{args.command}: give either a TOKEN or --run RUN", BAD_INPUT)
     engine = session.engine()
+    if args.token is None:
+        run = engine.get_run(args.run)
+        if run.status is not RunStatus.WAITING:
+            raise CliError(
+                f"run {run.id} is {run.status.value}, not waiting on an approval", BAD_INPUT
+            )
     token = args.token if args.token is not None else engine.approval_token(args.run)
     session.follow()
     run = engine.resume(token, approved=approved, reason=args.reason)
@@ -164,7 +170,7 @@ def _payload(raw: str | None) -> Any:
         return None
     try:
         return json.loads(raw)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:
         raise CliError(f"--payload is not JSON: {exc}", BAD_INPUT) from None
 
 

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from typing import NoReturn
 
 from agentruns.cli import commands
+from agentruns.engine import MAX_LIMIT
 from agentruns.runs import RunStatus
 
 
@@ -20,8 +22,15 @@ class Parser(argparse.ArgumentParser):
 
 def _positive(value: str) -> float:
     number = float(value)
-    if number <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, not {value}")
+    if not 0 < number < math.inf:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {value}")
+    return number
+
+
+def _limit(value: str) -> int:
+    number = int(value)
+    if not 1 <= number <= MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_LIMIT}, not {value}")
     return number
 
 
@@ -60,7 +69,7 @@ def build() -> Parser:
     p = command("runs", "list runs, newest first", commands.cmd_runs)
     p.add_argument("--status", choices=[s.value for s in RunStatus])
     p.add_argument("--agent")
-    p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--limit", type=_limit, default=20)
 
     p = command("show", "a run, its steps as a timeline, and its usage", commands.cmd_show)
     p.add_argument("run", metavar="RUN")

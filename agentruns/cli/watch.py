@@ -17,7 +17,7 @@ from agentruns.broadcast import subscribe
 from agentruns.cli import render
 from agentruns.cli.session import Session
 from agentruns.engine import Engine
-from agentruns.runs import Run, RunStatus, Step
+from agentruns.runs import Run, RunStatus, Step, utcnow
 
 ACTIVE = [RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.WAITING, RunStatus.INTERRUPTED]
 
@@ -31,6 +31,7 @@ class _Follower:
         self.status: dict[str, RunStatus] = {}
         self.steps: dict[str, int] = {}
         self.held: list[str] | None = None  # lines kept back while set
+        self.started: dict[str, datetime] = {}  # runs an event said started, and when
 
     def emit(self, line: str) -> None:
         if self.held is not None:
@@ -50,12 +51,26 @@ class _Follower:
             steps = self.engine.steps(run.id)
             if new and not self.history:
                 self.steps[run.id] = len(steps) if baseline else 0
+            changed = new or self.status[run.id] != run.status
+            started = self.started.pop(run.id, None)
+            # An execution's steps come after it starts running and before it settles.
+            if changed and run.status is RunStatus.RUNNING:
+                self._run(run)
+            elif started is not None and changed and self.status.get(run.id) != RunStatus.RUNNING:
+                # It started and settled between two looks: an event said it ran.
+                self._run(_as_running(run, started))
             for step in steps[self.steps.get(run.id, 0) :]:
                 self._step(step)
             self.steps[run.id] = len(steps)
-            if new or self.status[run.id] != run.status:
+            if changed and run.status is not RunStatus.RUNNING:
                 self._run(run)
             self.status[run.id] = run.status
+
+    def heard(self, event: dict[str, object]) -> None:
+        """An event published by an engine: note when a run started running."""
+        run_id = event.get("run_id")
+        if event.get("status") == RunStatus.RUNNING.value and isinstance(run_id, str):
+            self.started.setdefault(run_id, utcnow())
 
     def settled(self) -> bool:
         return all(status.is_final for status in self.status.values())
@@ -75,6 +90,20 @@ class _Follower:
 
     def _json(self, value: Any) -> None:
         self.emit(json.dumps(value, ensure_ascii=False))
+
+
+def _as_running(run: Run, since: datetime) -> Run:
+    """The run as it was while running, for a start seen only as an event."""
+    return run.model_copy(
+        update={
+            "status": RunStatus.RUNNING,
+            "updated_at": since,
+            "waiting": None,
+            "error": None,
+            "output": None,
+            "finished_at": None,
+        }
+    )
 
 
 def _runs(engine: Engine, run_id: str | None) -> list[Run]:
@@ -103,6 +132,8 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
         for event in _wakeups(session, interval):
             if event is not None and run_id is not None and event.get("run_id") != run_id:
                 continue
+            if event is not None:
+                follower.heard(event)
             follower.poll(_runs(engine, run_id), baseline=False)
             if until_final and follower.settled():
                 break

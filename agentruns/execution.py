@@ -482,6 +482,8 @@ def _malformed(response: ModelResponse) -> str | None:
     for block in response.content:
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             return f"not a content block: {block!r}"
+        if block["type"] == "text" and not isinstance(block.get("text"), str):
+            return "a text block has no text"
         if block["type"] == "tool_use":
             if not isinstance(block.get("id"), str) or not block["id"]:
                 return "a tool_use block has no id"

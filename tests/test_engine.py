@@ -265,15 +265,19 @@ def test_tool_errors_invalid_arguments_and_unknown_tools_reach_the_model(
 def test_malformed_model_reply_fails_with_model_error_keeping_the_transcript(
     make_engine: EngineFactory,
 ) -> None:
-    model = ScriptedModel(
-        [tool_use("search_issues", {"query": "x"}), {"type": "tool_use", "name": "x", "id": "t"}]
-    )
-    engine = make_engine([Agent("a", model, tools=[search_issues])])
-    run = _run_to_end(engine)
-    assert run.status is RunStatus.FAILED
-    assert run.error is not None and run.error.code == "model_error"
-    checkpoint = engine.checkpoint(run.id)
-    assert checkpoint is not None and len(checkpoint.messages) == 3
+    malformed = [
+        {"type": "tool_use", "name": "x", "id": "t"},  # no input
+        {"type": "text", "text": 123},
+        {"type": "text"},
+    ]
+    for reply in malformed:
+        model = ScriptedModel([tool_use("search_issues", {"query": "x"}), reply])
+        engine = make_engine([Agent("a", model, tools=[search_issues])])
+        run = _run_to_end(engine)
+        assert run.status is RunStatus.FAILED, reply
+        assert run.error is not None and run.error.code == "model_error", run.error
+        checkpoint = engine.checkpoint(run.id)
+        assert checkpoint is not None and len(checkpoint.messages) == 3
 
 
 def test_state_tools_read_and_merge_state_saved_with_the_checkpoint(

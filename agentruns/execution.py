@@ -8,7 +8,9 @@ never asks the model again for a response that was saved.
 While a step is paused on approvals, the answers and the results of the calls
 that already ran are kept in the run's ``pending`` map, keyed by tool call id:
 ``{"status": "done", "content": ..., "is_error": ...}``,
-``{"status": "needs_approval", "wait": {...}}`` or ``{"status": "approved"}``.
+``{"status": "needs_approval", "wait": {...}}`` or ``{"status": "approved"}``; with
+``"unknown": true`` when the approval asked is to call an effect tool again whose
+first attempt may have happened before a crash.
 The tool-result message is appended only once every call has its result, so
 stored messages stay append-only and the transcript stays valid.
 """
@@ -30,7 +32,7 @@ from agentruns.errors import (
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
 from agentruns.runs import Budget, Run, RunError, RunStatus, WaitPoint, utcnow
 from agentruns.store.base import Claimed, Commit, Committed, Guard, NewStep, Store
-from agentruns.toolcalls import EffectOutcomeUnknown, Outcome, ToolCaller
+from agentruns.toolcalls import EffectOutcomeUnknown, Outcome, ToolCaller, Wait
 from agentruns.tools import StateHolder, Tool
 from agentruns.tools import state_tools as make_state_tools
 
@@ -280,8 +282,9 @@ class Execution:
             if entry is not None and entry["status"] in ("done", "needs_approval"):
                 continue
             approved = entry is not None and entry["status"] == "approved"
+            again = approved and bool(entry and entry.get("unknown"))
             started = utcnow()
-            outcome = self._tool_call(call, approved, pending, tool_steps)
+            outcome = self._tool_call(call, approved, again, pending, tool_steps)
             if outcome is None:
                 continue  # now awaiting approval
             pending[call["id"]] = {
@@ -331,12 +334,13 @@ class Execution:
         self,
         call: dict[str, Any],
         approved: bool,
+        again: bool,
         pending: dict[str, Any],
         tool_steps: list[NewStep],
     ) -> Outcome | None:
         """One call's outcome, or None when it must wait for an approval."""
         try:
-            outcome = self.caller.call(call, self.run, approved)
+            outcome = self.caller.call(call, self.run, approved, again)
         except (FatalToolError, EffectOutcomeUnknown) as exc:
             fatal = isinstance(exc, FatalToolError)
             code = "fatal_tool_error" if fatal else "effect_outcome_unknown"
@@ -356,8 +360,11 @@ class Execution:
             self._settle(
                 RunStatus.FAILED, error=RunError(code=code, message=message), steps=tool_steps
             )
-        if outcome is None:
+        if isinstance(outcome, Wait):
             pending[call["id"]] = {"status": "needs_approval"}
+            if outcome.unknown:  # the answer approves calling it again
+                pending[call["id"]]["unknown"] = True
+            return None
         return outcome
 
     # -- approvals -------------------------------------------------------------------

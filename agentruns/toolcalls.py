@@ -37,8 +37,12 @@ class EffectOutcomeUnknown(Exception):
         )
 
 
-class _Unknown(Exception):
-    pass
+@dataclass(frozen=True)
+class Wait:
+    """The call waits for a person: to be made at all, or (``unknown``) to be made
+    again after a crash left the outcome of its first attempt unknown."""
+
+    unknown: bool = False
 
 
 class ToolCaller:
@@ -61,10 +65,16 @@ class ToolCaller:
         if any(t.effect for t in tools.values()):
             self.effects = store.effects(run_id)
 
-    def call(self, call: dict[str, Any], run: Run, approved: bool) -> Outcome | None:
-        """The call's outcome, or None when it must wait for a person's approval.
+    def call(
+        self, call: dict[str, Any], run: Run, approved: bool, again: bool = False
+    ) -> Outcome | Wait:
+        """The call's outcome, or a ``Wait`` for a person's approval.
 
-        Raises ``FatalToolError`` (the run fails) and ``EffectOutcomeUnknown``.
+        ``approved``: a person approved the call; ``again``: they approved calling it
+        again although its first attempt may have happened. Only what the tool
+        raises becomes a tool error: a failure to record an effect propagates, as
+        any failed write does. Raises ``FatalToolError`` (the run fails) and
+        ``EffectOutcomeUnknown``.
         """
         tool = self.tools.get(call["name"])
         if tool is None:
@@ -82,41 +92,46 @@ class ToolCaller:
         )
         try:
             if not approved and tool.requires_approval(arguments, ctx):
-                return None
-            if tool.effect:
-                return self._effect(tool, arguments, ctx, approved)
-            return ok(tool(arguments, ctx))
+                return Wait()
         except FatalToolError:
             raise
-        except _Unknown:
-            if tool.on_unknown == "approve" and not approved:
-                return None  # a person decides whether to call it again
-            raise EffectOutcomeUnknown(tool.name, ctx.idempotency_key) from None
         except Exception as exc:
             return error("tool_error", f"{type(exc).__name__}: {exc}")
+        if tool.effect:
+            return self._effect(tool, arguments, ctx, again)
+        return _invoke(tool, arguments, ctx)
 
     def _effect(
-        self, tool: Tool, arguments: dict[str, Any], ctx: ToolContext, approved: bool
-    ) -> Outcome:
+        self, tool: Tool, arguments: dict[str, Any], ctx: ToolContext, again: bool
+    ) -> Outcome | Wait:
         record = self.effects.get(ctx.tool_call_id)
         if record is not None and record.done:
             return _recorded(record.result, record.is_error)
-        if record is not None and tool.on_unknown != "retry" and not approved:
-            raise _Unknown
+        # An intent without a result: the call may have happened. An approval of the
+        # call itself does not cover that (it was given before the first attempt).
+        if record is not None and tool.on_unknown != "retry" and not again:
+            if tool.on_unknown == "approve":
+                return Wait(unknown=True)
+            raise EffectOutcomeUnknown(tool.name, ctx.idempotency_key)
         self.store.begin_effect(
             self.run_id, self.epoch, ctx.tool_call_id, tool.name, ctx.idempotency_key
         )
-        try:
-            outcome = ok(tool(arguments, ctx))
-        except FatalToolError:
-            raise
-        except Exception as exc:
-            outcome = error("tool_error", f"{type(exc).__name__}: {exc}")
+        outcome = _invoke(tool, arguments, ctx)
         recorded = outcome.output if not outcome.is_error else outcome.content
         self.store.finish_effect(
             self.run_id, self.epoch, ctx.tool_call_id, recorded, outcome.is_error
         )
         return outcome
+
+
+def _invoke(tool: Tool, arguments: dict[str, Any], ctx: ToolContext) -> Outcome:
+    """The tool's own outcome: what it raises (but ``FatalToolError``) is a tool error."""
+    try:
+        return ok(tool(arguments, ctx))
+    except FatalToolError:
+        raise
+    except Exception as exc:
+        return error("tool_error", f"{type(exc).__name__}: {exc}")
 
 
 def ok(value: Any) -> Outcome:

@@ -143,11 +143,16 @@ def test_effect_tool_runs_once_when_killed_after_it_ran_before_its_step_was_save
 
 
 def killed_inside_the_charge(
-    make_engine: EngineFactory, spawn: Any, agent: str
+    make_engine: EngineFactory, spawn: Any, agent: str, approve_first: bool = False
 ) -> tuple[Engine, Run, Helper]:
-    """A run of ``agent`` whose process is killed inside its effect tool, then recovered."""
+    """A run of ``agent`` whose process is killed inside its effect tool, then recovered.
+
+    ``approve_first``: the tool needs approval; it is given before the call."""
     producer = make_engine(AGENTS, scheduler=ManualScheduler())
     run = producer.dispatch(agent, trigger({}))
+    if approve_first:
+        assert producer.execute(run.id).status is RunStatus.WAITING
+        producer.resume(producer.approval_token(run.id), approved=True)
     helper = spawn(run.id, hang="charge")  # the intent is recorded, the result never is
     helper.wait_for_line("hanging charge")
     kill9(helper)
@@ -196,6 +201,37 @@ def test_unknown_effect_outcome_with_approve_asks_a_human_before_calling_again(
     assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
     charges = charge_keys(helper)
     assert len(charges) == 2 and charges[0] == charges[1]
+
+
+def test_an_approval_given_before_the_call_does_not_cover_calling_it_again(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    # on_unknown="fail": the approval let the first attempt happen, and only that.
+    rescuer, run, helper = killed_inside_the_charge(
+        make_engine, spawn, "approved_fail", approve_first=True
+    )
+    failed = rescuer.get_run(run.id)
+    assert failed.status is RunStatus.FAILED
+    assert failed.error is not None and failed.error.code == "effect_outcome_unknown"
+    assert len(charge_keys(helper)) == 1
+
+
+def test_an_approved_call_whose_outcome_is_unknown_asks_again_before_a_second_attempt(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    rescuer, run, helper = killed_inside_the_charge(
+        make_engine, spawn, "approved_ask", approve_first=True
+    )
+    waiting = rescuer.get_run(run.id)
+    assert waiting.status is RunStatus.WAITING, waiting
+    assert len(charge_keys(helper)) == 1
+    rescuer.resume(rescuer.approval_token(run.id), approved=True)
+    assert rescuer.idle(20)
+    assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
+    charges = charge_keys(helper)
+    assert len(charges) == 2 and charges[0] == charges[1]
+    answers = [s.output["approved"] for s in rescuer.steps(run.id) if s.kind == "wait"]
+    assert answers == [True, True]
 
 
 def test_a_stopped_owner_loses_the_run_and_writes_nothing_after_it_continues(

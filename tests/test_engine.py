@@ -8,7 +8,9 @@ import threading
 import time
 from typing import Any
 
+import psycopg
 import pytest
+import sqlalchemy as sa
 from pydantic import BaseModel
 
 from agentruns import (
@@ -26,7 +28,7 @@ from agentruns import (
 )
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
-from tests.conftest import EngineFactory, Errors, trigger, wait_for
+from tests.conftest import PG_ADMIN, EngineFactory, Errors, trigger, wait_for
 
 
 @tool
@@ -441,6 +443,45 @@ def test_effect_tool_gets_a_stable_idempotency_key(make_engine: EngineFactory) -
     run = _run_to_end(make_engine([Agent("a", model, tools=[post])]))
     assert run.status is RunStatus.COMPLETED
     assert keys == [f"{run.id}:{model.calls[1][1]['content'][0]['id']}"]
+
+
+def test_a_database_outage_while_recording_an_effect_aborts_the_execution_not_the_tool(
+    make_engine: EngineFactory, db_url: str
+) -> None:
+    charged: list[str] = []
+    cut: list[bool] = []
+
+    def cut_the_database_once(arguments: dict[str, Any], ctx: ToolContext) -> bool:
+        # As a Postgres restart would, just before the effect's intent is recorded.
+        if not cut:
+            cut.append(True)
+            with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+                admin.execute(
+                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+                    (sa.make_url(db_url).database,),
+                )
+        return False
+
+    @tool(effect=True, needs_approval=cut_the_database_once)
+    def charge(amount: int, ctx: ToolContext) -> str:
+        """Charge a card."""
+        charged.append(ctx.idempotency_key)
+        return "charged"
+
+    model = ScriptedModel([tool_use("charge", {"amount": 5}), text("ok")])
+    engine = make_engine([Agent("a", model, tools=[charge])], requeue_after=0.5)
+    run = engine.dispatch("a", trigger({}))
+    assert engine.idle(10)
+    # The execution stopped without settling (nothing it could not write is claimed)
+    # and without telling the model the write failed; recovery finishes the run.
+    assert engine.get_run(run.id).status is RunStatus.RUNNING
+    assert charged == []
+    wait_for(lambda: engine.recover() or None, "the run to be recovered")
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    assert len(charged) == 1
+    results = [b for m in model.calls[-1] if isinstance(m["content"], list) for b in m["content"]]
+    assert [b["content"] for b in results if b["type"] == "tool_result"] == ["charged"]
 
 
 def test_embedded_default_runs_on_sqlite_with_local_leases(

@@ -70,6 +70,22 @@ def charge_or_ask(amount: int, ctx: ToolContext) -> dict[str, Any]:
     return {"charged": amount}
 
 
+@tool(effect=True, needs_approval=True, on_unknown="fail")
+def approved_charge_or_fail(amount: int, ctx: ToolContext) -> dict[str, Any]:
+    """Charge once a human approves; fail the run if a crash leaves the outcome unknown."""
+    log(f"charge {ctx.idempotency_key}")
+    hang_here("charge")
+    return {"charged": amount}
+
+
+@tool(effect=True, needs_approval=True, on_unknown="approve")
+def approved_charge_or_ask(amount: int, ctx: ToolContext) -> dict[str, Any]:
+    """Charge once a human approves; ask again if a crash leaves the outcome unknown."""
+    log(f"charge {ctx.idempotency_key}")
+    hang_here("charge")
+    return {"charged": amount}
+
+
 STEPS = [
     tool_use("note", {"text": "one"}),
     tool_use("note", {"text": "two"}),
@@ -112,10 +128,24 @@ unknown_approve_agent = Agent(
     tools=[charge_or_ask],
 )
 
+approved_fail_agent = Agent(
+    "approved_fail",
+    ScriptedModel([tool_use("approved_charge_or_fail", {"amount": 7}), text("Charged.")]),
+    tools=[approved_charge_or_fail],
+)
+
+approved_ask_agent = Agent(
+    "approved_ask",
+    ScriptedModel([tool_use("approved_charge_or_ask", {"amount": 7}), text("Charged.")]),
+    tools=[approved_charge_or_ask],
+)
+
 AGENTS = [
     steps_agent,
     effect_agent,
     unknown_retry_agent,
     unknown_fail_agent,
     unknown_approve_agent,
+    approved_fail_agent,
+    approved_ask_agent,
 ]

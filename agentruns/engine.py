@@ -296,15 +296,17 @@ class Engine:
         run = claimed.run
         run_id = run.id
         try:
-            self.events.run_updated(run)
             agent = self._agents.get(run.agent)
             if agent is None:
+                self.events.run_updated(run)
                 run = self._fail_unknown_agent(run, claimed.epoch)
             else:
                 execution = Execution(self, agent, claimed)
                 budget = run.budget or agent.budget
+                # Kept before anyone hears it runs: a cancel from then on reaches it.
                 self._keeper.keep(execution, budget.timeout_s)
                 try:
+                    self.events.run_updated(run)
                     run = execution.execute()
                 finally:
                     self._keeper.release(run_id)

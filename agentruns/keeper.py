@@ -43,6 +43,8 @@ class LeaseKeeper:
         self._ttl = lease_ttl
         self._report = report
         self._kept: dict[str, _Kept] = {}
+        # Aborts asked for runs not kept (yet): one may come between a claim and keep().
+        self._early: dict[str, tuple[Abort, float]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -53,19 +55,28 @@ class LeaseKeeper:
     def keep(self, execution: Execution, timeout_s: float | None) -> None:
         with self._lock:
             self._kept[execution.run_id] = _Kept(execution, self._ttl / 3, timeout_s)
+            early = self._early.pop(execution.run_id, None)
             if self._thread is None:
                 self._thread = threading.Thread(
                     target=self._watch, name="agentruns-leases", daemon=True
                 )
                 self._thread.start()
+        if early is not None and time.monotonic() - early[1] < self._ttl:
+            execution.abort(early[0])
 
     def release(self, run_id: str) -> None:
         with self._lock:
             self._kept.pop(run_id, None)
 
     def abort(self, run_id: str, reason: Abort) -> None:
+        """Abort the run's execution here; one that starts within a lease TTL too."""
+        now = time.monotonic()
         with self._lock:
             kept = self._kept.get(run_id)
+            if kept is None:
+                # Every engine hears every cancel: remember them only for a while.
+                self._early = {k: v for k, v in self._early.items() if now - v[1] < self._ttl}
+                self._early[run_id] = (reason, now)
         if kept is not None:
             kept.execution.abort(reason)
 

@@ -18,6 +18,7 @@ from agentruns import (
     Budget,
     FatalToolError,
     InvalidTriggerError,
+    LocalLeases,
     RunNotFoundError,
     RunStatus,
     ToolContext,
@@ -373,6 +374,50 @@ def test_cancel_of_a_running_run_from_another_engine_aborts_it_within_a_second(
     wait_for(lambda: other.get_run(run.id).status is RunStatus.CANCELLED, timeout=5)
     assert time.monotonic() - asked < 1.0
     assert other.get_run(run.id).claim is None
+
+
+def test_a_cancel_that_comes_as_the_run_starts_is_not_lost(
+    make_engine: EngineFactory,
+) -> None:
+    # A listener of the "running" event cancels at once, through another engine
+    # (Redis pub/sub), and keeps the event's delivery a while (a slow listener):
+    # the model call that follows must be aborted, not run to its end.
+    model = ScriptedModel([text("too late")], latency_s=5)
+    owner = make_engine([Agent("a", model)], lease_ttl=30.0)
+    other = make_engine([Agent("a", model)], scheduler=ManualScheduler())
+
+    def cancel_as_it_starts(event: Any) -> None:
+        if event.run.status is RunStatus.RUNNING:
+            other.cancel(event.run.id)
+            time.sleep(0.3)
+
+    owner.on("run.updated", cancel_as_it_starts)
+    run = owner.dispatch("a", trigger({}))
+    wait_for(lambda: other.get_run(run.id).status is RunStatus.CANCELLED, timeout=3)
+
+
+def test_a_cancel_heard_before_its_execution_is_kept_aborts_it_once_kept() -> None:
+    # The window a claim leaves before the keeper knows the execution.
+    from agentruns.execution import Abort
+    from agentruns.keeper import LeaseKeeper
+
+    class Execution:
+        run_id = "r"
+        reason: Abort | None = None
+
+        def abort(self, reason: Abort) -> None:
+            self.reason = reason
+
+    keeper = LeaseKeeper(LocalLeases(), None, "me", 30.0, print)  # type: ignore[arg-type]
+    keeper.abort("r", Abort.CANCEL)
+    keeper.abort("elsewhere", Abort.CANCEL)
+    execution = Execution()
+    keeper.keep(execution, None)  # type: ignore[arg-type]
+    keeper.stop()
+    assert execution.reason is Abort.CANCEL
+    later = Execution()
+    keeper.keep(later, None)  # type: ignore[arg-type]
+    assert later.reason is None  # heard once, applied once
 
 
 def test_drain_then_recover_finishes_the_run_without_losing_or_repeating_a_step(

@@ -3,9 +3,14 @@
 Every message is an at-least-once nudge. ``execute`` on a run this worker
 cannot claim does nothing; a redelivered ``dispatch`` finds the run it
 already stored. Bad input (an unknown agent or run, a bad trigger or token)
-fails the task once, with the error as its result and no traceback; only a
-database or Redis outage is retried, a few times, since ``recover`` and the
-producer own anything beyond that.
+fails the task once, with the error as its result and no traceback.
+
+A database or Redis outage, or a database not migrated yet (workers deployed
+before ``agentruns migrate``), is retried with backoff for as long as it lasts:
+a ``dispatch``, ``resume`` or ``cancel`` message is the only record of what its
+producer asked, and acking it unanswered would lose that. (``execute``, ``tick``
+and ``recover`` need no retry: the runs are stored, and beat's ``recover``
+schedules them again.)
 """
 
 from __future__ import annotations
@@ -23,7 +28,8 @@ from celery.utils.saferepr import saferepr
 
 from agentruns.broker import send_together
 from agentruns.celery import app, get_engine, shutting_down
-from agentruns.errors import AgentrunsError
+from agentruns.engine import Engine
+from agentruns.errors import AgentrunsError, NotMigratedError
 from agentruns.runs import Run, RunStatus
 
 log = logging.getLogger("agentruns")
@@ -32,7 +38,6 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 # Expected errors: reported as the task's failure, logged without a traceback, never retried.
 _EXPECTED = (AgentrunsError,)
-_MAX_RETRIES = 5
 _RETRY_BACKOFF_MAX_S = 60
 
 
@@ -124,20 +129,20 @@ def _shown(name: str, value: Any) -> Any:
 def _task(name: str) -> Callable[[F], Any]:
     """``app.task`` with the options every agentruns task shares (typed for mypy)."""
     decorator: Callable[[F], Any] = app.task(
-        name=name, base=_Task, bind=True, throws=_EXPECTED, max_retries=_MAX_RETRIES
+        name=name, base=_Task, bind=True, throws=_EXPECTED, max_retries=None
     )
     return decorator
 
 
 @contextlib.contextmanager
 def _retrying_outages(task: Any) -> Iterator[None]:
-    """Retry the task after a database or Redis outage; let anything else through."""
+    """Retry the task while the database or Redis is away or the database is not
+    migrated (also when the worker's engine cannot be built for that); let anything
+    else through."""
     try:
         yield
-    except _EXPECTED:
-        raise
     except Exception as exc:
-        if get_engine().is_infrastructure_error(exc):
+        if isinstance(exc, NotMigratedError) or Engine.is_infrastructure_error(exc):
             delay = min(_RETRY_BACKOFF_MAX_S, 2**task.request.retries)
             raise task.retry(exc=exc, countdown=delay) from exc
         raise
@@ -170,8 +175,8 @@ def dispatch(
     """
     if idempotency_key is None and not (isinstance(trigger, dict) and trigger.get("id")):
         idempotency_key = f"task:{self.request.id}"
-    engine = get_engine()
     with _retrying_outages(self):
+        engine = get_engine()
         kwargs: dict[str, Any] = {
             "idempotency_key": idempotency_key,
             "concurrency_key": concurrency_key,

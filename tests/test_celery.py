@@ -20,16 +20,20 @@ from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
+import psycopg
 import pytest
 import redis
+import sqlalchemy as sa
 
-from agentruns import CeleryScheduler, Engine, RedisLeases, Run, RunStatus
+from agentruns import CeleryScheduler, Engine, RedisLeases, Run, RunStatus, SqlStore
+from agentruns.migrate import migrate
 from agentruns.settings import get_settings
 from bench.cluster import Cluster as BaseCluster
 from bench.cluster import Proc, forget_queue
-from tests.conftest import REDIS_URL, EngineFactory, trigger, wait_for
+from tests.conftest import PG_ADMIN, REDIS_URL, EngineFactory, trigger, wait_for
 from tests.support import celery_agents
 from tests.support.celery_agents import CHARGE_SCRIPT, QUICK_SCRIPT
+from tests.support.proxy import Proxy
 
 ROOT = Path(__file__).resolve().parents[1]
 LEASE_TTL = 1.0
@@ -329,6 +333,58 @@ def test_redelivered_and_bad_messages_store_nothing_more(cluster: Cluster, engin
     assert worker.popen.poll() is None
 
 
+def test_messages_sent_while_postgres_is_away_wait_for_it_and_are_answered(
+    cluster: Cluster, engine: Engine, db_url: str
+) -> None:
+    from agentruns.tasks import cancel, dispatch
+
+    queued = engine.dispatch("quick", trigger({"n": 1}), schedule=False)
+    proxy = Proxy(("127.0.0.1", 5432))
+    try:
+        # The worker reaches Postgres only through the proxy, cut before it starts:
+        # its engine cannot be built, then its tasks cannot write.
+        port = sa.make_url(db_url).port or 5432
+        cluster.env["AGENTRUNS_DATABASE_URL"] = db_url.replace(f":{port}/", f":{proxy.port}/")
+        proxy.cut()
+        (worker,) = cluster.workers("w1")
+        dispatch.delay("quick", trigger({"n": 2}), idempotency_key="sent-while-away")
+        cancel.delay(queued.id)
+        wait_for(lambda: worker.output().count("Retry in") >= 4, "the tasks to retry, twice")
+        assert engine.list_runs() == [queued]
+        proxy.restore()
+        wait_for(lambda: engine.get_run(queued.id).status is RunStatus.CANCELLED)
+        sent = wait_for(lambda: [r for r in engine.list_runs() if r.idempotency_key])
+        wait_for(partial(completed, engine, sent[0].id))
+    finally:
+        proxy.close()
+
+
+def test_messages_sent_before_the_database_is_migrated_are_answered_after(
+    cluster: Cluster,
+) -> None:
+    from agentruns.tasks import dispatch
+
+    name = f"agentruns_unmigrated_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    url = str(sa.make_url(cluster.env["AGENTRUNS_DATABASE_URL"]).set(database=name))
+    try:
+        cluster.env["AGENTRUNS_DATABASE_URL"] = url
+        (worker,) = cluster.workers("w1")  # deployed before `agentruns migrate`
+        dispatch.delay("quick", trigger({"n": 1}), idempotency_key="before-migrate")
+        wait_for(lambda: "Retry in" in worker.output(), "the dispatch to retry")
+        migrate(url)
+        store = SqlStore(url)
+        try:
+            wait_for(lambda: [r for r in store.list_runs() if r.status is RunStatus.COMPLETED])
+        finally:
+            store.close()
+    finally:
+        cluster.stop(graceful=False)
+        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def test_prefork_children_have_their_own_engines_and_drain_on_sigterm(
     cluster: Cluster, engine: Engine, leases: RedisLeases
 ) -> None:
@@ -375,6 +431,15 @@ def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:
     schedule = settings["beat_schedule"]
     assert {entry["task"] for entry in schedule.values()} == {"agentruns.tick", "agentruns.recover"}
     assert all(entry["options"]["expires"] == entry["schedule"] for entry in schedule.values())
+
+
+def test_producer_messages_retry_an_outage_for_as_long_as_it_lasts() -> None:
+    # A dispatch, resume or cancel message is the only record of its request: no
+    # number of retries (at most a minute apart) may end in acking it unanswered.
+    from agentruns.tasks import cancel, dispatch, resume
+
+    assert dispatch.max_retries is None and resume.max_retries is None
+    assert cancel.max_retries is None
 
 
 class TaskEvents:

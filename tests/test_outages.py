@@ -7,11 +7,9 @@ a TCP proxy this test cuts, so the shared database other tests use stays up.
 
 from __future__ import annotations
 
-import contextlib
 import shutil
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 
@@ -21,6 +19,7 @@ import sqlalchemy.exc
 from agentruns import Agent, Engine, LocalScheduler, RedisLeases, RunStatus, SqlStore, tool
 from agentruns.models import ScriptedModel, text, tool_use
 from tests.conftest import Errors, free_port, trigger, wait_for
+from tests.support.proxy import Proxy
 
 
 @tool
@@ -30,65 +29,6 @@ def note(text: str) -> str:
 
 
 SCRIPT = [tool_use("note", {"text": str(i)}) for i in range(4)] + [text("Done.")]
-
-
-class Proxy:
-    """A TCP proxy to Postgres that a test can cut and restore."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.port = free_port()
-        self._sockets: list[socket.socket] = []
-        self._lock = threading.Lock()
-        self._open = True
-        self._listener = socket.socket()
-        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self._listener.bind(("127.0.0.1", self.port))
-        self._listener.listen(64)
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def restore(self) -> None:
-        self._open = True
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return
-            if not self._open:  # down: the connection is refused
-                client.close()
-                continue
-            upstream = socket.create_connection(self.upstream)
-            with self._lock:
-                self._sockets += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                with contextlib.suppress(OSError):
-                    s.shutdown(socket.SHUT_RDWR)
-
-    def cut(self) -> None:
-        self._open = False
-        with self._lock:
-            sockets, self._sockets = self._sockets, []
-        for s in sockets:
-            with contextlib.suppress(OSError):
-                s.shutdown(socket.SHUT_RDWR)
-            s.close()
-
-    def close(self) -> None:
-        self.cut()
-        self._listener.close()
 
 
 @pytest.fixture

@@ -249,6 +249,45 @@ def test_transient_status_is_retried(fake: FakeAnthropic, status: int) -> None:
     assert len(fake.requests) == 2
 
 
+def test_the_servers_x_should_retry_header_is_obeyed_as_the_sdk_would(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(error(529, headers={"x-should-retry": "false"}))
+    with pytest.raises(ModelError):
+        make_model(fake).complete(request(), threading.Event())
+    assert len(fake.requests) == 1
+
+    fake.push(error(400, headers={"x-should-retry": "true"}), reply(text("ok")))
+    assert make_model(fake).complete(request(), threading.Event()).text == "ok"
+    assert len(fake.requests) == 3
+
+
+def test_errors_a_client_middleware_marks_retryable_are_retried(fake: FakeAnthropic) -> None:
+    def connection_error_behind_another() -> Exception:
+        try:
+            raise anthropic.APIConnectionError(request=None)  # type: ignore[arg-type]
+        except anthropic.APIConnectionError as cause:
+            try:
+                raise LookupError("the proxy refused") from cause
+            except LookupError as wrapped:
+                return wrapped
+
+    for make in (lambda: anthropic.RetryableError("try again"), connection_error_behind_another):
+        attempts: list[int] = []
+
+        def flaky_once(req: Any, call_next: Any, make: Any = make, attempts: Any = attempts) -> Any:
+            attempts.append(1)
+            if len(attempts) == 1:
+                raise make()
+            return call_next(req)
+
+        fake.push(reply(text("ok")))
+        client = fake.client(middleware=[flaky_once])
+        model = AnthropicModel("claude-test", client=client, max_retries=2, retry_base_s=0.001)
+        assert model.complete(request(), threading.Event()).text == "ok"
+        assert len(attempts) == 2
+
+
 @pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
 def test_client_error_fails_at_once_with_model_error(fake: FakeAnthropic, status: int) -> None:
     fake.push(error(status, message="messages: roles must alternate"), reply(text("unused")))
@@ -322,6 +361,15 @@ def test_unreachable_server_fails_with_a_connection_message_after_retries() -> N
 
     with pytest.raises(ModelError, match=r"could not reach the Anthropic API .* after 2 tries"):
         model.complete(request(), threading.Event())
+
+    # A gateway's credentials in the base URL stay out of the message (stored with the run).
+    secret = f"http://gateway:hunter2@127.0.0.1:{port}/v1?key=sk-gateway"
+    client = anthropic.Anthropic(api_key="test", base_url=secret)
+    model = AnthropicModel("claude-test", client=client, max_retries=0)
+    with pytest.raises(ModelError) as failed:
+        model.complete(request(), threading.Event())
+    assert f"at http://127.0.0.1:{port}/v1" in str(failed.value)
+    assert "hunter2" not in str(failed.value) and "sk-gateway" not in str(failed.value)
 
 
 # --- aborts -----------------------------------------------------------------

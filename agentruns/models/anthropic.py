@@ -11,6 +11,7 @@ import random
 import socket
 import threading
 import time
+import urllib.parse
 from typing import Any
 
 import anthropic
@@ -299,11 +300,35 @@ def _interrupt(response: httpx2.Response) -> None:
 
 
 def _is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, anthropic.APIStatusError):
-        if exc.status_code < 400:  # an error event inside a 200 stream
-            return exc.type in _TRANSIENT_STREAM_ERRORS
-        return exc.status_code in _TRANSIENT_STATUS or exc.status_code >= 500
-    return isinstance(exc, anthropic.APIConnectionError | httpx2.TransportError | _IncompleteStream)
+    """Whether the SDK would retry this (its retries are off: ours keep its policy),
+    or it is a stream cut short. As the SDK does, the ``__cause__`` chain counts
+    (a middleware's error raised from a retryable one), and so does the server's
+    ``x-should-retry`` header."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if isinstance(current, _RETRYABLE):
+            return True
+        if isinstance(current, anthropic.APIStatusError):
+            if current.status_code < 400:  # an error event inside a 200 stream
+                return current.type in _TRANSIENT_STREAM_ERRORS
+            said = current.response.headers.get("x-should-retry")
+            if said in ("true", "false"):
+                return said == "true"
+            return current.status_code in _TRANSIENT_STATUS or current.status_code >= 500
+        if isinstance(current, anthropic.APIConnectionError | httpx2.TransportError):
+            return True
+        current = current.__cause__
+    return False
+
+
+# What the SDK's middleware raises to ask for a retry (in SDKs that have it), and a
+# stream cut short.
+_RETRYABLE: tuple[type[BaseException], ...] = (
+    *((anthropic.RetryableError,) if hasattr(anthropic, "RetryableError") else ()),
+    _IncompleteStream,
+)
 
 
 def _retry_after(exc: BaseException) -> float | None:
@@ -344,13 +369,24 @@ def _describe(exc: BaseException, model: str, client: anthropic.Anthropic, tries
         }.get(exc.status_code, "")
         return f"Anthropic API error{after}: {exc.type or 'error'} ({where}): {detail}{hint}"
     if isinstance(exc, anthropic.APITimeoutError):
-        return f"the Anthropic API at {client.base_url} timed out{after}"
+        return f"the Anthropic API at {_shown(client.base_url)} timed out{after}"
     if isinstance(exc, anthropic.APIConnectionError | httpx2.TransportError):
-        return f"could not reach the Anthropic API at {client.base_url}{after}: {exc}"
+        return f"could not reach the Anthropic API at {_shown(client.base_url)}{after}: {exc}"
     if isinstance(exc, _IncompleteStream):
         return f"the Anthropic response stream was cut off{after}: {exc}"
     hint = "; set ANTHROPIC_API_KEY" if "authentication" in str(exc).lower() else ""
     return f"the Anthropic call failed: {type(exc).__name__}: {exc}{hint}"
+
+
+def _shown(url: Any) -> str:
+    """A base URL fit for an error message (stored with the run): no user, password
+    or query, where a gateway may keep its credentials."""
+    parts = urllib.parse.urlsplit(str(url))
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{host}:{parts.port}" if parts.port is not None else host
+    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 # transcript and response shapes

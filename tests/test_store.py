@@ -519,3 +519,28 @@ def test_a_store_keeps_the_connections_it_opens_up_to_its_pool_size(
     engine = engine_from_settings(settings)
     assert engine.store.engine.pool.size() == 7  # type: ignore[attr-defined]
     engine.close()
+
+
+def test_sqlite_reads_go_on_while_another_process_writes(sqlite_url: str) -> None:
+    # WAL mode lets a read see its snapshot during a write; a read must not queue
+    # for the write lock as writes do (`agentruns runs` or `watch` during a run).
+    import sqlite3
+
+    store = SqlStore(sqlite_url)
+    run, guard = _running(store)
+    writer = sqlite3.connect(sa.make_url(sqlite_url).database or "", isolation_level=None)
+    writer.execute("BEGIN IMMEDIATE")  # holds the write lock, as a long write would
+    try:
+        read: list[object] = []
+        reader = threading.Thread(
+            target=lambda: read.extend([store.get_run(run.id), store.steps(run.id)]), daemon=True
+        )
+        reader.start()
+        reader.join(timeout=5)  # the busy timeout is 30 s: a queued read would still wait
+        assert read and read[0] == store.get_run(run.id), "a read waited for the write lock"
+    finally:
+        writer.execute("ROLLBACK")
+        writer.close()
+    # Writes still take the lock first, and so queue behind each other.
+    assert store.commit(run, guard, Commit(steps=[_step("after")])) is not None
+    store.close()

@@ -14,6 +14,10 @@ from sqlalchemy.engine import Connection, Engine
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
 
+# An execution option: this connection only reads (SQLite then takes no write lock).
+READ_ONLY = "agentruns_read_only"
+
+
 def dumps(value: Any) -> str:
     """Compact JSON, with text as it is (no \\u escapes)."""
     return _ENCODER.encode(value)
@@ -43,8 +47,10 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
         @sa.event.listens_for(engine, "begin")
         def _on_begin(conn: Connection) -> None:
             # IMMEDIATE takes the write lock up front, so two writers queue on
-            # busy_timeout instead of failing with "database is locked".
-            conn.exec_driver_sql("BEGIN IMMEDIATE")
+            # busy_timeout instead of failing with "database is locked". A read
+            # takes no lock: in WAL mode it reads its snapshot while a write goes on.
+            read_only = conn.get_execution_options().get(READ_ONLY, False)
+            conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
 
         return engine
     # Connections are opened as needed and then kept, never opened for a burst and

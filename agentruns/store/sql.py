@@ -30,7 +30,7 @@ from agentruns.store.base import (
     Transcript,
     Writes,
 )
-from agentruns.store.connect import make_engine
+from agentruns.store.connect import READ_ONLY, make_engine
 from agentruns.store.postgres import Statements
 from agentruns.store.rows import aware, new_steps, run_from_row, run_updated, step_from_row
 from agentruns.store.transactions import Transactions
@@ -69,6 +69,8 @@ class SqlStore:
             if postgres
             else self.engine
         )
+        # Every ``connect()`` block of this module reads, and only reads.
+        self._reads = self.engine.execution_options(**{READ_ONLY: True})
         self._checked = False
 
     # -- schema ------------------------------------------------------------
@@ -81,7 +83,7 @@ class SqlStore:
         from agentruns.migrate import current_revision, head_revision
 
         try:
-            with self.engine.connect() as conn:
+            with self._reads.connect() as conn:
                 current = current_revision(conn)
         except (OperationalError, ProgrammingError) as exc:
             raise NotMigratedError(
@@ -115,7 +117,7 @@ class SqlStore:
         row = self.writes.create(new, utcnow())
         if row is not None:
             return run_from_row(row), True
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             existing = (
                 conn.execute(sa.select(R).where(R.c.idempotency_key == new.idempotency_key))
                 .mappings()
@@ -144,7 +146,7 @@ class SqlStore:
         return sqlite_insert(table)
 
     def get_run(self, run_id: str) -> Run:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             row = conn.execute(sa.select(R).where(R.c.id == run_id)).mappings().first()
         if row is None:
             raise RunNotFoundError(run_id)
@@ -158,11 +160,11 @@ class SqlStore:
             query = query.where(R.c.status == RunStatus(status).value)
         if agent is not None:
             query = query.where(R.c.agent == agent)
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             return [run_from_row(r) for r in conn.execute(query).mappings()]
 
     def steps(self, run_id: str) -> list[Step]:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             key = self._require(conn, run_id)["key"]
             rows = conn.execute(sa.select(S).where(S.c.run_key == key).order_by(S.c.idx))
             return [step_from_row(run_id, r) for r in rows.mappings()]
@@ -180,7 +182,7 @@ class SqlStore:
         return [r[0] for r in conn.execute(query)]
 
     def checkpoint(self, run_id: str) -> Checkpoint | None:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             row = self._require(conn, run_id)
             if row["checkpoint_step"] is None:
                 return None
@@ -194,7 +196,7 @@ class SqlStore:
             )
 
     def transcript(self, run_id: str) -> Transcript:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             return self._transcript(conn, self._require(conn, run_id))
 
     def _transcript(self, conn: Connection, row: RowMapping) -> Transcript:
@@ -214,7 +216,7 @@ class SqlStore:
         )
 
     def pending(self, run_id: str) -> dict[str, Any] | None:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             row = conn.execute(sa.select(R.c.pending).where(R.c.id == run_id)).first()
         if row is None:
             raise RunNotFoundError(run_id)
@@ -222,7 +224,7 @@ class SqlStore:
 
     def thread_history(self, thread: str, before_run: str) -> list[dict[str, Any]]:
         """The transcript of the thread's latest completed run other than ``before_run``."""
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             prev = conn.execute(
                 sa.select(R.c.key, R.c.checkpoint_messages)
                 .where(
@@ -318,7 +320,7 @@ class SqlStore:
     # -- effect records --------------------------------------------------------
 
     def effects(self, run_id: str) -> dict[str, EffectRecord]:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             rows = conn.execute(sa.select(E).where(E.c.run_id == run_id)).mappings()
             return {
                 r["tool_call_id"]: EffectRecord(
@@ -383,7 +385,7 @@ class SqlStore:
                 sa.and_(R.c.status == RunStatus.QUEUED.value, R.c.updated_at < queued_before),
             )
         ).order_by(R.c.created_at)
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             return [
                 RunRef(
                     id=r.id,
@@ -413,7 +415,7 @@ class SqlStore:
         return run_from_row(row) if row is not None else None
 
     def next_queued(self, concurrency_key: str) -> str | None:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             row = conn.execute(
                 sa.select(R.c.id)
                 .where(
@@ -426,7 +428,7 @@ class SqlStore:
             return row[0] if row else None
 
     def waiting_runs(self) -> list[Run]:
-        with self.engine.connect() as conn:
+        with self._reads.connect() as conn:
             rows = conn.execute(
                 sa.select(R).where(R.c.status == RunStatus.WAITING.value).order_by(R.c.created_at)
             ).mappings()

@@ -112,6 +112,7 @@ class Engine:
         self.events = Events(self.report)
         self._keeper = LeaseKeeper(self.leases, self.store, self.owner, lease_ttl, self.report)
         self._slots = threading.BoundedSemaphore(slots)
+        self._slot_count = slots
         self._draining = False
         self._closed = False
         self.scheduler.bind(self.execute, slots)
@@ -305,6 +306,8 @@ class Engine:
                 budget = run.budget or agent.budget
                 # Kept before anyone hears it runs: a cancel from then on reaches it.
                 self._keeper.keep(execution, budget.timeout_s)
+                if self._draining:  # claimed as a drain began: it stops at once
+                    execution.abort(Abort.DRAIN)
                 try:
                     self.events.run_updated(run)
                     run = execution.execute()
@@ -541,10 +544,20 @@ class Engine:
         self._draining = True
         self._keeper.abort_all(Abort.DRAIN)
         deadline = None if timeout is None else time.monotonic() + timeout
-        while self._keeper.busy():
-            if deadline is not None and time.monotonic() >= deadline:
-                return
-            time.sleep(0.01)
+        # Every execution holds a slot from before it looks at the drain flag until it
+        # has settled: once all slots are free here, none is left, also none that was
+        # claiming its run as the drain began (it aborts itself once kept).
+        taken = 0
+        try:
+            while taken < self._slot_count:
+                wait = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
+                if wait <= 0:
+                    return
+                if self._slots.acquire(timeout=wait):
+                    taken += 1
+        finally:
+            for _ in range(taken):
+                self._slots.release()
 
     def idle(self, timeout: float | None = None) -> bool:
         """True once nothing runs here, nothing more can start, and events were delivered."""

@@ -50,6 +50,8 @@ class Host(Protocol):
 
     def is_infrastructure_error(self, exc: Exception) -> bool: ...
 
+    def cancel(self, run_id: str) -> Run: ...
+
 
 class Abort(StrEnum):
     CANCEL = "cancel"
@@ -406,7 +408,11 @@ class Execution:
                 release_claim=True,
             )
         )
-        if status is RunStatus.WAITING:
+        if status is RunStatus.WAITING and committed.cancel_requested:
+            # A cancel came as the run paused (flagged while it ran): a waiting run is
+            # cancelled at once, so this one is, and nobody is asked to approve.
+            self.run = self.engine.cancel(self.run.id)
+        elif status is RunStatus.WAITING:
             self.engine.notify(committed)
         raise _Stop
 

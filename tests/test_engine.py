@@ -420,6 +420,68 @@ def test_a_cancel_heard_before_its_execution_is_kept_aborts_it_once_kept() -> No
     assert later.reason is None  # heard once, applied once
 
 
+def test_a_cancel_flagged_as_the_run_pauses_for_approval_cancels_it(
+    make_engine: EngineFactory,
+) -> None:
+    notified: list[str] = []
+    # In-process leases: this engine's cancel reaches the owner only as the flag.
+    other = make_engine([], leases=LocalLeases(), scheduler=ManualScheduler())
+
+    def cancel_then_ask(arguments: dict[str, Any], ctx: ToolContext) -> bool:
+        other.cancel(ctx.run.id)  # the run is running: the cancel flags it
+        return True
+
+    @tool(needs_approval=cancel_then_ask)
+    def post(body: str) -> str:
+        """Post something."""
+        return "posted"
+
+    model = ScriptedModel([tool_use("post", {"body": "hi"}), text("ok")])
+    agent = Agent(
+        "a", model, tools=[post], notifier=lambda run, wait, token: notified.append(token)
+    )
+    run = _run_to_end(make_engine([agent]))
+    assert run.status is RunStatus.CANCELLED and run.waiting is None
+    assert notified == []
+
+
+def test_a_run_claimed_as_a_drain_begins_is_interrupted_before_drain_returns(
+    make_engine: EngineFactory,
+) -> None:
+    class GatedLeases(LocalLeases):
+        """Holds an execution between its look at the drain flag and its claim."""
+
+        reached = threading.Event()
+        go = threading.Event()
+
+        def acquire(self, *args: Any, **kwargs: Any) -> bool:
+            self.reached.set()
+            self.go.wait(5)
+            return super().acquire(*args, **kwargs)
+
+    steps = [tool_use("search_issues", {"query": str(i)}) for i in range(5)] + [text("ok")]
+    model = ScriptedModel(steps, latency_s=0.1)
+    engine = make_engine(
+        [Agent("a", model, tools=[search_issues])],
+        leases=GatedLeases(),
+        scheduler=ManualScheduler(),
+    )
+    run = engine.dispatch("a", trigger({}))
+    executing = threading.Thread(target=engine.execute, args=(run.id,))
+    executing.start()
+    assert GatedLeases.reached.wait(5)
+    draining = threading.Thread(target=engine.drain)
+    draining.start()
+    time.sleep(0.2)  # the drain has begun; the execution claims the run now
+    GatedLeases.go.set()
+    draining.join(10)
+    assert not draining.is_alive()
+    # drain() returned: nothing of this engine runs any more.
+    assert engine.get_run(run.id).status is RunStatus.INTERRUPTED
+    executing.join(10)
+    assert engine.get_run(run.id).status is RunStatus.INTERRUPTED
+
+
 def test_drain_then_recover_finishes_the_run_without_losing_or_repeating_a_step(
     make_engine: EngineFactory,
 ) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import uuid
 from datetime import timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -543,4 +544,27 @@ def test_sqlite_reads_go_on_while_another_process_writes(sqlite_url: str) -> Non
         writer.close()
     # Writes still take the lock first, and so queue behind each other.
     assert store.commit(run, guard, Commit(steps=[_step("after")])) is not None
+    store.close()
+
+
+def test_a_cancel_as_the_run_pauses_still_cancels_it(db_url: str) -> None:
+    # cancel() looks for a queued, waiting or interrupted run, then for a running one.
+    # The run pauses (running -> waiting) in between: the cancel must not miss both.
+    store = SqlStore(db_url)
+    run, _ = _running(store)
+    paused: list[bool] = []
+
+    def pause_in_between(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
+        if "SET cancel_requested" in statement and not paused:
+            paused.append(True)
+            with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as other:
+                other.execute(
+                    "UPDATE agentruns_runs SET status = 'waiting' WHERE id = %s", (run.id,)
+                )
+
+    sa.event.listen(store.engine, "before_cursor_execute", pause_in_between)
+    cancelled = store.request_cancel(run.id)
+    assert paused
+    assert cancelled.status is RunStatus.CANCELLED
+    assert store.get_run(run.id).status is RunStatus.CANCELLED
     store.close()

@@ -47,6 +47,10 @@ E = schema.effects
 _status_of_one = sa.func.coalesce(R.c.status, "")
 
 
+# A run changes status at most a few times while a cancel looks at it.
+_CANCEL_TRIES = 5
+
+
 class SqlStore:
     """Runs, steps, messages and effect records in SQL, every write to a run guarded."""
 
@@ -281,6 +285,15 @@ class SqlStore:
 
     def request_cancel(self, run_id: str) -> Run:
         """Cancel a queued, waiting or interrupted run at once; flag a running one."""
+        for _ in range(_CANCEL_TRIES):
+            run = self._request_cancel(run_id)
+            # Neither update matched, yet the run is not final: it changed status in
+            # between (a running run that paused). Its new status decides: again.
+            if run is not None:
+                return run
+        return self.get_run(run_id)
+
+    def _request_cancel(self, run_id: str) -> Run | None:
         now = utcnow()
         with self._atomic.begin() as conn:
             stoppable = [RunStatus.QUEUED.value, RunStatus.WAITING.value]
@@ -315,6 +328,8 @@ class SqlStore:
                 )
             if row is None:
                 row = self._require(conn, run_id)
+                if not RunStatus(row["status"]).is_final:
+                    return None
             return run_from_row(row)
 
     # -- effect records --------------------------------------------------------

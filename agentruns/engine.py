@@ -437,9 +437,9 @@ class Engine:
         assert wait is not None and wait.tool_call_id is not None
         pending = dict(self.store.pending(run.id) or {})
         if approved:
-            entry = pending.get(wait.tool_call_id) or {}
+            asked_again = (pending.get(wait.tool_call_id) or {}).get("unknown", False)
             # "unknown": what was approved is calling it again (see execution.py).
-            pending[wait.tool_call_id] = {"status": "approved", **_only(entry, "unknown")}
+            pending[wait.tool_call_id] = {"status": "approved", "unknown": asked_again}
         else:
             pending[wait.tool_call_id] = {
                 "status": "done",
@@ -639,7 +639,3 @@ def _run_id(run_id: str) -> str:
     if not isinstance(run_id, str) or not is_utf8(run_id):
         raise RunNotFoundError(str(run_id))
     return run_id
-
-
-def _only(entry: dict[str, Any], *names: str) -> dict[str, Any]:
-    return {name: entry[name] for name in names if name in entry}

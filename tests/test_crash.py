@@ -177,61 +177,41 @@ def test_unknown_effect_outcome_with_retry_calls_again_with_the_same_key(
     assert len(charges) == 2 and charges[0] == charges[1]
 
 
+# An approval given before the first attempt covers that attempt only: after the crash,
+# on_unknown decides as it would for a tool that needs no approval.
+@pytest.mark.parametrize(
+    ("agent", "approve_first"), [("unknown_fail", False), ("approved_fail", True)]
+)
 def test_unknown_effect_outcome_with_fail_fails_the_run(
-    make_engine: EngineFactory, spawn: Any
+    make_engine: EngineFactory, spawn: Any, agent: str, approve_first: bool
 ) -> None:
-    rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, "unknown_fail")
+    rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, agent, approve_first)
     failed = rescuer.get_run(run.id)
     assert failed.status is RunStatus.FAILED
     assert failed.error is not None and failed.error.code == "effect_outcome_unknown"
     assert len(charge_keys(helper)) == 1
 
 
+@pytest.mark.parametrize(
+    ("agent", "approve_first", "tool"),
+    [("unknown_approve", False, "charge_or_ask"), ("approved_ask", True, "approved_charge_or_ask")],
+)
 def test_unknown_effect_outcome_with_approve_asks_a_human_before_calling_again(
-    make_engine: EngineFactory, spawn: Any
+    make_engine: EngineFactory, spawn: Any, agent: str, approve_first: bool, tool: str
 ) -> None:
-    rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, "unknown_approve")
+    rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, agent, approve_first)
     waiting = rescuer.get_run(run.id)
     assert waiting.status is RunStatus.WAITING
-    assert waiting.waiting is not None and waiting.waiting.tool_name == "charge_or_ask"
+    assert waiting.waiting is not None and waiting.waiting.tool_name == tool
     assert len(charge_keys(helper)) == 1
 
-    rescuer.resume(rescuer.approval_token(run.id), approved=True)
-    assert rescuer.idle(20)
-    assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
-    charges = charge_keys(helper)
-    assert len(charges) == 2 and charges[0] == charges[1]
-
-
-def test_an_approval_given_before_the_call_does_not_cover_calling_it_again(
-    make_engine: EngineFactory, spawn: Any
-) -> None:
-    # on_unknown="fail": the approval let the first attempt happen, and only that.
-    rescuer, run, helper = killed_inside_the_charge(
-        make_engine, spawn, "approved_fail", approve_first=True
-    )
-    failed = rescuer.get_run(run.id)
-    assert failed.status is RunStatus.FAILED
-    assert failed.error is not None and failed.error.code == "effect_outcome_unknown"
-    assert len(charge_keys(helper)) == 1
-
-
-def test_an_approved_call_whose_outcome_is_unknown_asks_again_before_a_second_attempt(
-    make_engine: EngineFactory, spawn: Any
-) -> None:
-    rescuer, run, helper = killed_inside_the_charge(
-        make_engine, spawn, "approved_ask", approve_first=True
-    )
-    waiting = rescuer.get_run(run.id)
-    assert waiting.status is RunStatus.WAITING, waiting
-    assert len(charge_keys(helper)) == 1
     rescuer.resume(rescuer.approval_token(run.id), approved=True)
     assert rescuer.idle(20)
     assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
     charges = charge_keys(helper)
     assert len(charges) == 2 and charges[0] == charges[1]
     answers = [s.output["approved"] for s in rescuer.steps(run.id) if s.kind == "wait"]
-    assert answers == [True, True]
+    assert answers == [True] * (2 if approve_first else 1)
 
 
 def test_a_stopped_owner_loses_the_run_and_writes_nothing_after_it_continues(

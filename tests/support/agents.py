@@ -54,36 +54,35 @@ def charge(amount: int, ctx: ToolContext) -> dict[str, Any]:
     return {"charged": amount, "key": ctx.idempotency_key}
 
 
-@tool(effect=True, on_unknown="fail")
-def charge_or_fail(amount: int, ctx: ToolContext) -> dict[str, Any]:
-    """Charge, failing the run if a crash leaves the outcome unknown."""
+def _charged(amount: int, ctx: ToolContext) -> dict[str, Any]:
+    """What the charge tools below do: log the call (a test can kill it here), charge."""
     log(f"charge {ctx.idempotency_key}")
     hang_here("charge")
     return {"charged": amount}
+
+
+@tool(effect=True, on_unknown="fail")
+def charge_or_fail(amount: int, ctx: ToolContext) -> dict[str, Any]:
+    """Charge, failing the run if a crash leaves the outcome unknown."""
+    return _charged(amount, ctx)
 
 
 @tool(effect=True, on_unknown="approve")
 def charge_or_ask(amount: int, ctx: ToolContext) -> dict[str, Any]:
     """Charge, asking a human whether to charge again if a crash leaves the outcome unknown."""
-    log(f"charge {ctx.idempotency_key}")
-    hang_here("charge")
-    return {"charged": amount}
+    return _charged(amount, ctx)
 
 
 @tool(effect=True, needs_approval=True, on_unknown="fail")
 def approved_charge_or_fail(amount: int, ctx: ToolContext) -> dict[str, Any]:
     """Charge once a human approves; fail the run if a crash leaves the outcome unknown."""
-    log(f"charge {ctx.idempotency_key}")
-    hang_here("charge")
-    return {"charged": amount}
+    return _charged(amount, ctx)
 
 
 @tool(effect=True, needs_approval=True, on_unknown="approve")
 def approved_charge_or_ask(amount: int, ctx: ToolContext) -> dict[str, Any]:
     """Charge once a human approves; ask again if a crash leaves the outcome unknown."""
-    log(f"charge {ctx.idempotency_key}")
-    hang_here("charge")
-    return {"charged": amount}
+    return _charged(amount, ctx)
 
 
 STEPS = [

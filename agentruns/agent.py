@@ -36,7 +36,7 @@ class Agent:
         model: Model,
         instructions: str | Callable[[RunContext], str] = "",
         tools: Sequence[ToolLike] | Callable[[RunContext], Sequence[ToolLike]] = (),
-        budget: Budget | None = None,
+        budget: Budget | dict[str, Any] | None = None,
         approval_ttl: timedelta = timedelta(hours=24),
         notifier: Notifier | None = None,
         concurrency_key: str | Callable[[TriggerEnvelope], str | None] | None = None,
@@ -47,7 +47,13 @@ class Agent:
         self.name = name
         self.model = model
         self.instructions = instructions
-        self.budget = budget or Budget()
+        # Checked here: a wrong one would otherwise fail every execution of every run.
+        limits = Budget.model_validate(budget) if isinstance(budget, dict) else budget
+        if limits is not None and not isinstance(limits, Budget):
+            raise TypeError(f"budget must be a Budget or a dict of its fields, not {budget!r}")
+        self.budget: Budget = limits or Budget()
+        if not isinstance(approval_ttl, timedelta):
+            raise TypeError(f"approval_ttl must be a timedelta, not {approval_ttl!r}")
         self.approval_ttl = approval_ttl
         self.notifier = notifier
         self.concurrency_key = concurrency_key

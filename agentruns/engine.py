@@ -300,7 +300,8 @@ class Engine:
             agent = self._agents.get(run.agent)
             if agent is None:
                 self.events.run_updated(run)
-                run = self._fail_unknown_agent(run, claimed.epoch)
+                error = RunError(code="unknown_agent", message=f"no agent named {run.agent!r}")
+                run = self._fail(run, claimed.epoch, error)
             else:
                 execution = Execution(self, agent, claimed)
                 budget = run.budget or agent.budget
@@ -315,6 +316,12 @@ class Engine:
                     self._keeper.release(run_id)
         except Exception as exc:
             self.report(exc)
+            if run.status is RunStatus.RUNNING and not self._leaves_run_to_recovery(exc):
+                # Failing before its execution could: it would fail again on every
+                # recovery, so the run fails now instead of being left running.
+                error = RunError(code="internal_error", message=f"{type(exc).__name__}: {exc}")
+                with contextlib.suppress(Exception):
+                    run = self._fail(run, claimed.epoch, error)
         finally:
             self._release_lease(run_id)
         key = run.concurrency_key
@@ -328,15 +335,15 @@ class Engine:
         except Exception as exc:
             self.report(exc)
 
-    def _fail_unknown_agent(self, run: Run, epoch: int) -> Run:
+    def _leaves_run_to_recovery(self, exc: Exception) -> bool:
+        return isinstance(exc, LeaseLostError) or self.is_infrastructure_error(exc)
+
+    def _fail(self, run: Run, epoch: int, error: RunError) -> Run:
+        """Settle a run this engine claimed ``failed``, outside any execution."""
         committed = self.store.commit(
             run,
             Guard(status=RunStatus.RUNNING, epoch=epoch),
-            Commit(
-                status=RunStatus.FAILED,
-                error=RunError(code="unknown_agent", message=f"no agent named {run.agent!r}"),
-                release_claim=True,
-            ),
+            Commit(status=RunStatus.FAILED, error=error, release_claim=True),
         )
         assert committed is not None
         self.published(committed)

@@ -130,7 +130,9 @@ def _invoke(tool: Tool, arguments: dict[str, Any], ctx: ToolContext) -> Outcome:
         return ok(tool(arguments, ctx))
     except FatalToolError:
         raise
-    except Exception as exc:
+    except (KeyboardInterrupt, SystemExit):
+        raise  # the process is stopping: the run is left for recovery, as after a crash
+    except BaseException as exc:  # asyncio.CancelledError too: it is the tool's failure
         return error("tool_error", f"{type(exc).__name__}: {exc}")
 
 

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import json
 import threading
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, Optional, get_type_hints, overload
+from typing import (
+    Annotated,
+    Any,
+    Literal,
+    Optional,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+    overload,
+)
 
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_core import to_jsonable_python
@@ -50,6 +62,7 @@ class Tool:
         needs_approval: NeedsApproval = False,
         on_unknown: OnUnknown = "retry",
         input_model: type[BaseModel] | None = None,
+        partial: bool = False,
     ) -> None:
         if on_unknown not in ("retry", "approve", "fail"):
             raise ValueError(f"on_unknown must be retry, approve or fail, not {on_unknown!r}")
@@ -60,6 +73,9 @@ class Tool:
         self.needs_approval = needs_approval
         self.on_unknown: OnUnknown = on_unknown
         self._ctx_param: str | None = None
+        self.partial = partial
+        # An async tool runs to its end in the calling thread (no loop runs there).
+        self._coroutine = inspect.iscoroutinefunction(fn)
         self.input_model = input_model or self._model_from_signature(fn)
         self.spec = ToolSpec(
             name=self.name,
@@ -68,13 +84,25 @@ class Tool:
         )
 
     def _model_from_signature(self, fn: Callable[..., Any]) -> type[BaseModel]:
-        hints = get_type_hints(fn)
+        # With extras: Annotated[int, Field(ge=1, description=...)] keeps its Field.
+        hints = get_type_hints(fn, include_extras=True)
         fields: dict[str, Any] = {}
         for param in inspect.signature(fn).parameters.values():
             annotation = hints.get(param.name, Any)
-            if annotation is ToolContext:
+            if _is_context(annotation):
                 self._ctx_param = param.name
                 continue
+            # The model's arguments are a JSON object, passed by keyword.
+            if param.kind not in (param.POSITIONAL_OR_KEYWORD, param.KEYWORD_ONLY):
+                raise TypeError(
+                    f"tool {self.name}: parameter {param} cannot take a named argument; "
+                    "a tool's parameters are named, one per field of its input"
+                )
+            if param.name.startswith("_"):
+                raise TypeError(
+                    f"tool {self.name}: parameter {param.name} starts with '_', which "
+                    "pydantic keeps out of the input schema; rename it"
+                )
             default = ... if param.default is inspect.Parameter.empty else param.default
             fields[param.name] = (annotation, default)
         return create_model(
@@ -84,6 +112,7 @@ class Tool:
         )
 
     def validate(self, arguments: Any) -> dict[str, Any]:
+        """The arguments the function is called with (``partial``: only those given)."""
         if not isinstance(arguments, dict):
             raise ToolInputError(f"arguments of {self.name} must be an object")
         try:
@@ -93,7 +122,8 @@ class Tool:
                 f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg']}" for e in exc.errors()
             )
             raise ToolInputError(f"invalid arguments for {self.name}: {problems}") from None
-        return {name: getattr(parsed, name) for name in type(parsed).model_fields}
+        names = parsed.model_fields_set if self.partial else type(parsed).model_fields
+        return {name: getattr(parsed, name) for name in names}
 
     def requires_approval(self, arguments: dict[str, Any], ctx: ToolContext) -> bool:
         if callable(self.needs_approval):
@@ -104,6 +134,8 @@ class Tool:
         kwargs = dict(arguments)
         if self._ctx_param is not None:
             kwargs[self._ctx_param] = ctx
+        if self._coroutine:
+            return asyncio.run(self.fn(**kwargs))
         return self.fn(**kwargs)
 
     def __repr__(self) -> str:
@@ -155,10 +187,28 @@ def as_tool(value: Tool | Callable[..., Any]) -> Tool:
 
 
 def result_content(value: Any) -> tuple[Any, str]:
-    """A tool's return value as (JSON value for the step row, text for the model)."""
+    """A tool's return value as (JSON value for the step row, text for the model).
+
+    Raises ValueError for what no store keeps as JSON (NaN, infinities, text that is
+    not UTF-8): the model then gets that as the tool's error."""
     jsonable = to_jsonable_python(value)
+    try:
+        json.dumps(jsonable, allow_nan=False, ensure_ascii=False).encode()
+    except ValueError as exc:
+        raise ValueError(f"the result cannot be stored as JSON: {exc}") from None
     text = jsonable if isinstance(jsonable, str) else json.dumps(jsonable, sort_keys=True)
     return jsonable, text
+
+
+def _is_context(annotation: Any) -> bool:
+    """``ToolContext``, also as ``ToolContext | None`` or inside ``Annotated``."""
+    if annotation is ToolContext:
+        return True
+    if get_origin(annotation) is Annotated:
+        return _is_context(get_args(annotation)[0])
+    if get_origin(annotation) in (Union, types.UnionType):
+        return any(_is_context(arg) for arg in get_args(annotation) if arg is not type(None))
+    return False
 
 
 def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]:
@@ -168,8 +218,10 @@ def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]
         return holder.value
 
     def update_state(**changes: Any) -> dict[str, Any]:
-        merged = {**holder.value, **{k: v for k, v in changes.items() if v is not None}}
-        holder.value = state_model.model_validate(merged).model_dump(mode="json")
+        # Only the fields given (a null clears an optional one), by field name.
+        merged = {**holder.value, **changes}
+        new = state_model.model_validate(merged, by_name=True, by_alias=False)
+        holder.value = new.model_dump(mode="json")
         return holder.value
 
     update_fields: dict[str, Any] = {
@@ -190,6 +242,7 @@ def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]
             update_state,
             description="Merge the given fields into the agent's saved state; returns it.",
             input_model=update_model,
+            partial=True,
         ),
     ]
 

@@ -1,0 +1,157 @@
+"""Tools as ``@tool`` makes them: their schemas, how they are called, what their results
+may be; and the agent arguments checked where they are given. Runs are on the real
+Postgres and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+from typing import Annotated, Any
+
+import pytest
+from pydantic import BaseModel, Field
+
+from agentruns import Agent, RunStatus, ToolContext, tool
+from agentruns.models import ScriptedModel, text, tool_use
+from tests.conftest import EngineFactory, trigger
+
+
+def _results(model: ScriptedModel) -> list[dict[str, Any]]:
+    """The tool results the model was given, in order."""
+    return [
+        block
+        for message in model.calls[-1]
+        if isinstance(message["content"], list)
+        for block in message["content"]
+        if block["type"] == "tool_result"
+    ]
+
+
+def _run(make_engine: EngineFactory, agent: Agent) -> Any:
+    engine = make_engine([agent])
+    run = engine.dispatch(agent.name, trigger({}))
+    assert engine.idle(10)
+    return engine.get_run(run.id)
+
+
+def test_annotated_constraints_and_descriptions_reach_the_schema_and_are_enforced(
+    make_engine: EngineFactory,
+) -> None:
+    called: list[int] = []
+
+    @tool
+    def pick(limit: Annotated[int, Field(ge=1, le=10, description="how many")]) -> str:
+        """Pick some."""
+        called.append(limit)
+        return "picked"
+
+    schema = pick.spec.input_schema["properties"]["limit"]
+    assert (schema["minimum"], schema["maximum"], schema["description"]) == (1, 10, "how many")
+    model = ScriptedModel([tool_use("pick", {"limit": 500}), text("done")])
+    assert _run(make_engine, Agent("a", model, tools=[pick])).status is RunStatus.COMPLETED
+    assert called == [] and _results(model)[0]["is_error"] is True
+
+
+def test_parameters_a_json_object_cannot_fill_are_refused_when_the_tool_is_made() -> None:
+    def star_args(*items: int) -> None: ...
+    def star_kwargs(**fields: int) -> None: ...
+    def positional_only(a: int, /) -> None: ...
+    def private_name(_id: int) -> None: ...
+
+    for fn in (star_args, star_kwargs, positional_only, private_name):
+        with pytest.raises(TypeError, match="parameter"):
+            tool(fn)
+
+
+def test_the_context_is_recognised_also_as_an_optional_parameter() -> None:
+    @tool
+    def post(body: str, ctx: ToolContext | None = None) -> str:
+        """Post."""
+        return "posted"
+
+    assert list(post.spec.input_schema["properties"]) == ["body"]
+
+
+def test_an_async_tool_runs_to_its_end(make_engine: EngineFactory) -> None:
+    @tool
+    async def fetch(url: str) -> str:
+        """Fetch a page."""
+        await asyncio.sleep(0.01)
+        return f"fetched {url}"
+
+    model = ScriptedModel([tool_use("fetch", {"url": "u"}), text("done")])
+    assert _run(make_engine, Agent("a", model, tools=[fetch])).status is RunStatus.COMPLETED
+    assert _results(model)[0]["content"] == "fetched u"
+
+
+def test_a_tool_raising_a_base_exception_is_a_tool_error_and_the_run_goes_on(
+    make_engine: EngineFactory,
+) -> None:
+    @tool
+    def fetch() -> str:
+        """Fetch, cancelled underneath (asyncio.CancelledError is a BaseException)."""
+        raise asyncio.CancelledError()
+
+    model = ScriptedModel([tool_use("fetch", {}), text("done")])
+    assert _run(make_engine, Agent("a", model, tools=[fetch])).status is RunStatus.COMPLETED
+    assert _results(model)[0]["is_error"] is True
+
+
+@pytest.mark.parametrize(
+    "result",
+    [{"v": float("nan")}, [float("inf")], b"report-\xff.txt".decode(errors="surrogateescape")],
+)
+def test_a_result_no_store_can_keep_as_json_is_the_tools_error(
+    make_engine: EngineFactory, result: Any
+) -> None:
+    @tool
+    def measure() -> Any:
+        """Measure."""
+        return result
+
+    model = ScriptedModel([tool_use("measure", {}), text("done")])
+    assert _run(make_engine, Agent("a", model, tools=[measure])).status is RunStatus.COMPLETED
+    (answer,) = _results(model)
+    assert answer["is_error"] is True and "cannot be stored as JSON" in answer["content"]
+
+
+def test_agent_arguments_of_the_wrong_type_are_refused_when_the_agent_is_made() -> None:
+    model = ScriptedModel([text("ok")])
+    assert Agent("a", model, budget={"max_steps": 3}).budget.max_steps == 3
+    with pytest.raises(TypeError, match="budget"):
+        Agent("a", model, budget="3 steps")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="approval_ttl"):
+        Agent("a", model, approval_ttl=3600)  # type: ignore[arg-type]
+    assert Agent("a", model, approval_ttl=timedelta(minutes=5)).approval_ttl.seconds == 300
+
+
+def test_a_run_that_cannot_start_its_execution_fails_instead_of_staying_running(
+    make_engine: EngineFactory,
+) -> None:
+    agent = Agent("a", ScriptedModel([text("ok")]))
+    agent.budget = "broken after it was made"  # type: ignore[assignment]
+    run = _run(make_engine, agent)
+    assert run.status is RunStatus.FAILED and run.claim is None
+    assert run.error is not None and run.error.code == "internal_error"
+
+
+class Ticket(BaseModel):
+    assignee: str | None = None
+    item_count: int = Field(0, alias="itemCount")
+
+
+def test_update_state_clears_an_optional_field_and_sets_an_aliased_one(
+    make_engine: EngineFactory,
+) -> None:
+    model = ScriptedModel(
+        [
+            tool_use("update_state", {"assignee": "bob", "item_count": 5}),
+            tool_use("update_state", {"assignee": None}),
+            text("done"),
+        ]
+    )
+    engine = make_engine([Agent("a", model, state=Ticket)])
+    run = engine.dispatch("a", trigger({}))
+    assert engine.idle(10)
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None and checkpoint.state == {"assignee": None, "item_count": 5}

@@ -44,6 +44,7 @@ class EventPublisher:
         self._channel = channel(prefix)
         self._queue: queue.Queue[dict[str, object] | None] = queue.Queue(maxsize)
         self._listening = False
+        self._closing = False
         self._thread = threading.Thread(target=self._run, name="agentruns-events", daemon=True)
         self._thread.start()
 
@@ -64,7 +65,7 @@ class EventPublisher:
                 item = self._queue.get(timeout=self.LOOK_EVERY_S)
             except queue.Empty:
                 continue
-            if item is None:
+            if item is None or self._closing:
                 return
             batch = [item]
             while not self._queue.empty() and len(batch) < 500:
@@ -88,13 +89,17 @@ class EventPublisher:
             for item in batch:
                 pipe.publish(self._channel, json.dumps(item))
             pipe.execute()
-        except redis.RedisError as exc:
+        except Exception as exc:  # best effort: this thread must not die of it
             log.debug("could not publish %d events: %s", len(batch), exc)
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Stop publishing (what is still queued may be dropped); never waits long."""
+        self._closing = True
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait(None)  # wakes the thread if it waits for events
         self._thread.join(timeout=5)
-        self._client.close()
+        if not self._thread.is_alive():  # else it is stuck on a stalled Redis: leave it
+            self._client.close()
 
 
 def subscribe(

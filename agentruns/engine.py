@@ -47,6 +47,7 @@ from agentruns.runs import (
 )
 from agentruns.schedulers.base import Scheduler
 from agentruns.schedulers.local import LocalScheduler
+from agentruns.settings import MAX_SECONDS
 from agentruns.store.base import (
     Claimed,
     Commit,
@@ -88,8 +89,11 @@ class Engine:
         requeue_after: float = 60.0,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
-        if slots < 1 or lease_ttl <= 0 or requeue_after <= 0:
-            raise ValueError("slots, lease_ttl and requeue_after must be positive")
+        if slots < 1 or not all(0 < t <= MAX_SECONDS for t in (lease_ttl, requeue_after)):
+            raise ValueError(
+                f"slots must be positive, and lease_ttl and requeue_after from 0 to "
+                f"{MAX_SECONDS} seconds (not {lease_ttl!r}, {requeue_after!r})"
+            )
         self.store: Store = SqlStore(store) if isinstance(store, str) else store
         self.store.check_schema()
         self.leases: Leases = leases if leases is not None else LocalLeases()

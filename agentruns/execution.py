@@ -85,7 +85,9 @@ class Execution:
         return self.run.id
 
     def abort(self, reason: Abort) -> None:
-        if self.reason is None:
+        # The first reason decides how the execution settles, except a lost lease:
+        # after that, whatever came first, it must write nothing more.
+        if self.reason is None or reason is Abort.LEASE_LOST:
             self.reason = reason
         self.signal.set()
 

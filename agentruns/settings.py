@@ -7,6 +7,10 @@ from functools import cache
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+# The longest time any setting in seconds may name (a year): a lease's expiry, a
+# requeue age or a beat interval must still be a date.
+MAX_SECONDS = 365 * 24 * 3600
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="AGENTRUNS_", extra="ignore")
@@ -18,11 +22,11 @@ class Settings(BaseSettings):
     broker_url: str | None = None
     secret: str | None = None
     agents: str = "workers.triage"
-    lease_ttl: float = Field(default=30.0, gt=0)
+    lease_ttl: float = Field(default=30.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     slots: int = Field(default=8, ge=1)
-    requeue_after: float = Field(default=60.0, gt=0)
-    tick_interval: float = Field(default=5.0, gt=0)
-    recover_interval: float = Field(default=15.0, gt=0)
+    requeue_after: float = Field(default=60.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
+    tick_interval: float = Field(default=5.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
+    recover_interval: float = Field(default=15.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     # The Celery queue: several deployments (or test sessions) can share one Redis.
     queue: str = "agentruns"
 

@@ -8,6 +8,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from agentruns.agent import Agent
+from agentruns.errors import AgentrunsError
 from agentruns.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -39,6 +40,13 @@ def engine_from_settings(settings: Settings | None = None, **overrides: Any) -> 
     from agentruns.store import SqlStore
 
     s = settings or get_settings()
+    shared = isinstance(overrides["leases"], RedisLeases) if "leases" in overrides else s.redis_url
+    if shared and not overrides.get("secret", s.secret):
+        # Several processes: a token one mints must pass in another.
+        raise AgentrunsError(
+            "AGENTRUNS_SECRET is not set: with AGENTRUNS_REDIS_URL, every process needs the "
+            "same secret to sign and check resume tokens"
+        )
     kwargs: dict[str, Any] = {
         "store": SqlStore(s.database_url, pool_size=s.database_pool_size),
         "agents": load_agents(s.agent_modules),

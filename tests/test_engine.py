@@ -10,6 +10,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import redis
 import sqlalchemy as sa
 from pydantic import BaseModel
 
@@ -18,6 +19,7 @@ from agentruns import (
     Budget,
     FatalToolError,
     InvalidTriggerError,
+    LeaseLostError,
     LocalLeases,
     RunNotFoundError,
     RunStatus,
@@ -29,7 +31,7 @@ from agentruns import (
 )
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
-from tests.conftest import PG_ADMIN, EngineFactory, Errors, trigger, wait_for
+from tests.conftest import PG_ADMIN, REDIS_URL, EngineFactory, Errors, trigger, wait_for
 
 
 @tool
@@ -480,6 +482,29 @@ def test_a_run_claimed_as_a_drain_begins_is_interrupted_before_drain_returns(
     assert engine.get_run(run.id).status is RunStatus.INTERRUPTED
     executing.join(10)
     assert engine.get_run(run.id).status is RunStatus.INTERRUPTED
+
+
+def test_a_lease_lost_after_a_timeout_still_stops_every_write(
+    make_engine: EngineFactory, errors: Errors, redis_prefix: str
+) -> None:
+    @tool
+    def slow() -> str:
+        """Take a while, never looking at the abort signal."""
+        time.sleep(1.5)
+        return "done"
+
+    model = ScriptedModel([tool_use("slow", {}), text("ok")])
+    agent = Agent("a", model, tools=[slow], budget=Budget(timeout_s=0.3))
+    engine = make_engine([agent], lease_ttl=0.6)
+    run = engine.dispatch("a", trigger({}))
+    wait_for(lambda: engine.steps(run.id))  # the response is saved; the tool runs
+    time.sleep(0.5)  # the timeout has fired: the execution will settle when the tool returns
+    redis.Redis.from_url(REDIS_URL).delete(f"{redis_prefix}:lease:{run.id}")  # lost
+    assert engine.idle(10)
+    # Lost after the timeout, the lease still decides: nothing more is written.
+    assert [s.kind for s in engine.steps(run.id)] == ["llm"]
+    assert engine.get_run(run.id).status is RunStatus.RUNNING
+    assert errors.of(LeaseLostError)
 
 
 def test_drain_then_recover_finishes_the_run_without_losing_or_repeating_a_step(

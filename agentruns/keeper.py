@@ -1,8 +1,10 @@
 """The executions one engine is running, kept honest: leases renewed, timeouts and aborts applied.
 
-One thread per engine renews every held lease every ``lease_ttl/3`` (in Redis,
-then the claim's expiry in the database, fenced by the epoch). A renewal that
-fails aborts that execution as lost; a claim whose run was asked to cancel
+One thread per engine watches every held lease. Every ``lease_ttl/3`` it has
+the lease renewed on a small pool (in Redis, then the claim's expiry in the
+database, fenced by the epoch), so a renewal stalled on Redis delays no one's
+timeout. A renewal that fails, or none that succeeds before the lease could
+expire, aborts that execution as lost; a claim whose run was asked to cancel
 aborts it as cancelled (the fallback when the cancel's pub/sub message was
 missed).
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta
 
 from agentruns.execution import Abort, Execution
@@ -21,11 +24,14 @@ from agentruns.store.base import Store
 
 
 class _Kept:
-    def __init__(self, execution: Execution, renew_every: float, timeout_s: float | None):
+    def __init__(self, execution: Execution, ttl: float, timeout_s: float | None):
         self.execution = execution
         now = time.monotonic()
-        self.next_renewal = now + renew_every
+        self.next_renewal = now + ttl / 3
         self.deadline = now + timeout_s if timeout_s else None
+        # Until when the lease is known to be held: its last renewal's start plus a TTL.
+        self.held_until = now + ttl
+        self.renewing = False
 
 
 class LeaseKeeper:
@@ -48,13 +54,15 @@ class LeaseKeeper:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        # Renewals wait on Redis and Postgres; timeouts must not wait for them.
+        self._renewals = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentruns-renew")
 
     def expiry(self) -> datetime:
         return utcnow() + timedelta(seconds=self._ttl)
 
     def keep(self, execution: Execution, timeout_s: float | None) -> None:
         with self._lock:
-            self._kept[execution.run_id] = _Kept(execution, self._ttl / 3, timeout_s)
+            self._kept[execution.run_id] = _Kept(execution, self._ttl, timeout_s)
             early = self._early.pop(execution.run_id, None)
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -92,6 +100,7 @@ class LeaseKeeper:
 
     def stop(self) -> None:
         self._stop.set()
+        self._renewals.shutdown(wait=False)
 
     def _watch(self) -> None:
         interval = min(0.1, self._ttl / 10)
@@ -102,18 +111,31 @@ class LeaseKeeper:
             for item in kept:
                 if item.deadline is not None and now >= item.deadline:
                     item.execution.abort(Abort.TIMEOUT)
-                if now >= item.next_renewal:
+                if now >= item.held_until:
+                    # No renewal made it in time: another engine may hold the run now.
+                    item.execution.abort(Abort.LEASE_LOST)
+                if now >= item.next_renewal and not item.renewing:
                     item.next_renewal = now + self._ttl / 3
-                    self._renew(item.execution)
+                    item.renewing = True
+                    try:
+                        self._renewals.submit(self._renew, item)
+                    except RuntimeError:  # stopped meanwhile
+                        return
 
-    def _renew(self, execution: Execution) -> None:
+    def _renew(self, item: _Kept) -> None:
+        execution = item.execution
+        started = time.monotonic()
         cancel: bool | None = None
         try:
             if self._leases.renew(execution.run_id, self._owner, self._ttl):
                 cancel = self._store.renew_claim(execution.run_id, execution.epoch, self.expiry())
         except Exception as exc:
             self._report(exc)
+        finally:
+            item.renewing = False
         if cancel is None:
             execution.abort(Abort.LEASE_LOST)
-        elif cancel:
+            return
+        item.held_until = started + self._ttl
+        if cancel:
             execution.abort(Abort.CANCEL)

@@ -8,15 +8,27 @@ a TCP proxy this test cuts, so the shared database other tests use stays up.
 from __future__ import annotations
 
 import shutil
+import signal
 import socket
 import subprocess
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import sqlalchemy.exc
 
-from agentruns import Agent, Engine, LocalScheduler, RedisLeases, RunStatus, SqlStore, tool
+from agentruns import (
+    Agent,
+    Budget,
+    Engine,
+    LeaseLostError,
+    LocalScheduler,
+    RedisLeases,
+    RunStatus,
+    SqlStore,
+    tool,
+)
 from agentruns.models import ScriptedModel, text, tool_use
 from tests.conftest import Errors, free_port, trigger, wait_for
 from tests.support.proxy import Proxy
@@ -164,3 +176,52 @@ def test_redis_going_away_aborts_the_execution_and_recover_finishes_the_run(
         assert_finished_cleanly(engine, run.id)
     finally:
         engine.close()
+
+
+def test_a_stalled_redis_delays_neither_a_timeout_nor_the_stop_of_an_unrenewed_lease(
+    db_url: str, private_redis: PrivateRedis, errors: Errors
+) -> None:
+    # Redis stops answering (SIGSTOP): a renewal then waits out its socket timeout.
+    def run_with(budget: Budget, lease_ttl: float) -> tuple[Engine, str]:
+        model = ScriptedModel([text("too late")], latency_s=8)
+        engine = Engine(
+            SqlStore(db_url),
+            leases=RedisLeases(private_redis.url, prefix=f"stall-{lease_ttl}"),
+            scheduler=LocalScheduler(),
+            agents=[Agent("a", model, budget=budget)],
+            secret="s",
+            lease_ttl=lease_ttl,
+            on_error=errors.append,
+        )
+        run = engine.dispatch("a", trigger({}))
+        wait_for(lambda: engine.get_run(run.id).status is RunStatus.RUNNING)
+        return engine, run.id
+
+    assert private_redis.proc is not None
+    # The timeout (1 s) comes while the renewal started at 0.6 s is stuck.
+    engine, run_id = run_with(Budget(timeout_s=1.0), lease_ttl=1.8)
+    private_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        failed = wait_for(lambda: _settled(engine, run_id), "the timeout", timeout=3)
+        assert failed.error is not None and failed.error.code == "timeout"
+    finally:
+        private_redis.proc.send_signal(signal.SIGCONT)
+        engine.close()
+
+    # No timeout: the lease, never renewed, would expire at 1.8 s; the execution stops
+    # then as lost (nothing more written, the run left for recovery).
+    engine, run_id = run_with(Budget(), lease_ttl=1.8)
+    private_redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        stopped = time.monotonic()
+        wait_for(lambda: errors.of(LeaseLostError), "the execution to stop as lost", timeout=4)
+        assert time.monotonic() - stopped < 3.5  # before the stuck renewal's 5 s timeout
+        assert engine.get_run(run_id).status is RunStatus.RUNNING
+    finally:
+        private_redis.proc.send_signal(signal.SIGCONT)
+        engine.close()
+
+
+def _settled(engine: Engine, run_id: str) -> Any:
+    run = engine.get_run(run_id)
+    return run if run.status is not RunStatus.RUNNING else None

@@ -116,7 +116,6 @@ class Engine:
         self.events = Events(self.report)
         self._keeper = LeaseKeeper(self.leases, self.store, self.owner, lease_ttl, self.report)
         self._slots = threading.BoundedSemaphore(slots)
-        self._slot_count = slots
         self._draining = False
         self._closed = False
         self.scheduler.bind(self.execute, slots)
@@ -560,7 +559,7 @@ class Engine:
         # claiming its run as the drain began (it aborts itself once kept).
         taken = 0
         try:
-            while taken < self._slot_count:
+            while taken < self.slots:
                 wait = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
                 if wait <= 0:
                     return

@@ -323,12 +323,8 @@ def _is_transient(exc: BaseException) -> bool:
     return False
 
 
-# What the SDK's middleware raises to ask for a retry (in SDKs that have it), and a
-# stream cut short.
-_RETRYABLE: tuple[type[BaseException], ...] = (
-    *((anthropic.RetryableError,) if hasattr(anthropic, "RetryableError") else ()),
-    _IncompleteStream,
-)
+# What a client's middleware raises to ask for a retry, and a stream cut short.
+_RETRYABLE = (anthropic.RetryableError, _IncompleteStream)
 
 
 def _retry_after(exc: BaseException) -> float | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 from agentruns import Agent, Budget, ToolContext, tool
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.tools import Tool
 
 
 def log(line: str) -> None:
@@ -109,35 +110,18 @@ effect_agent = Agent(
     tools=[charge, slow],
 )
 
-unknown_retry_agent = Agent(
-    "unknown_retry",
-    ScriptedModel([tool_use("charge", {"amount": 7}), text("Charged.")]),
-    tools=[charge],
-)
 
-unknown_fail_agent = Agent(
-    "unknown_fail",
-    ScriptedModel([tool_use("charge_or_fail", {"amount": 7}), text("Charged.")]),
-    tools=[charge_or_fail],
-)
+def _charging(name: str, charger: Tool) -> Agent:
+    """An agent whose model makes one charge with ``charger``, then answers."""
+    script = [tool_use(charger.name, {"amount": 7}), text("Charged.")]
+    return Agent(name, ScriptedModel(script), tools=[charger])
 
-unknown_approve_agent = Agent(
-    "unknown_approve",
-    ScriptedModel([tool_use("charge_or_ask", {"amount": 7}), text("Charged.")]),
-    tools=[charge_or_ask],
-)
 
-approved_fail_agent = Agent(
-    "approved_fail",
-    ScriptedModel([tool_use("approved_charge_or_fail", {"amount": 7}), text("Charged.")]),
-    tools=[approved_charge_or_fail],
-)
-
-approved_ask_agent = Agent(
-    "approved_ask",
-    ScriptedModel([tool_use("approved_charge_or_ask", {"amount": 7}), text("Charged.")]),
-    tools=[approved_charge_or_ask],
-)
+unknown_retry_agent = _charging("unknown_retry", charge)
+unknown_fail_agent = _charging("unknown_fail", charge_or_fail)
+unknown_approve_agent = _charging("unknown_approve", charge_or_ask)
+approved_fail_agent = _charging("approved_fail", approved_charge_or_fail)
+approved_ask_agent = _charging("approved_ask", approved_charge_or_ask)
 
 AGENTS = [
     steps_agent,

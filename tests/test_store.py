@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import uuid
 from datetime import timedelta
-from typing import Any
 
 import psycopg
 import pytest
@@ -17,7 +16,7 @@ from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
-from tests.conftest import PG_ADMIN, _pg_url, free_port
+from tests.conftest import PG_ADMIN, _pg_url, free_port, wait_for
 
 
 def new_run(key: str | None = None, idem: str | None = None) -> NewRun:
@@ -548,23 +547,29 @@ def test_sqlite_reads_go_on_while_another_process_writes(sqlite_url: str) -> Non
 
 
 def test_a_cancel_as_the_run_pauses_still_cancels_it(db_url: str) -> None:
-    # cancel() looks for a queued, waiting or interrupted run, then for a running one.
-    # The run pauses (running -> waiting) in between: the cancel must not miss both.
+    # The run pauses (running -> waiting) in a transaction that holds its row while
+    # cancel() updates it: the cancel waits, then decides by the status it finds,
+    # and cancels the now waiting run (flagging it as still running would leave it
+    # waiting, answerable, with cancel_requested set).
     store = SqlStore(db_url)
     run, _ = _running(store)
-    paused: list[bool] = []
-
-    def pause_in_between(conn: Any, cursor: Any, statement: str, *rest: Any) -> None:
-        if "SET cancel_requested" in statement and not paused:
-            paused.append(True)
-            with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as other:
-                other.execute(
-                    "UPDATE agentruns_runs SET status = 'waiting' WHERE id = %s", (run.id,)
-                )
-
-    sa.event.listen(store.engine, "before_cursor_execute", pause_in_between)
-    cancelled = store.request_cancel(run.id)
-    assert paused
-    assert cancelled.status is RunStatus.CANCELLED
+    plain = db_url.replace("+psycopg", "")
+    done: list[Run] = []
+    with psycopg.connect(plain) as pausing, psycopg.connect(plain, autocommit=True) as look:
+        pausing.execute("UPDATE agentruns_runs SET status = 'waiting' WHERE id = %s", (run.id,))
+        cancel = threading.Thread(target=lambda: done.append(store.request_cancel(run.id)))
+        cancel.start()
+        wait_for(
+            lambda: look.execute(
+                "SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock'"
+                " AND query LIKE 'UPDATE agentruns_runs%%'"
+            ).fetchone(),
+            "the cancel to wait for the pausing transaction",
+        )
+        assert not done
+        pausing.commit()
+        cancel.join(timeout=10)
+    assert done and done[0].status is RunStatus.CANCELLED
     assert store.get_run(run.id).status is RunStatus.CANCELLED
     store.close()

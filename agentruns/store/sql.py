@@ -47,8 +47,7 @@ E = schema.effects
 _status_of_one = sa.func.coalesce(R.c.status, "")
 
 
-# A run changes status at most a few times while a cancel looks at it.
-_CANCEL_TRIES = 5
+_NOT_FINAL = [status.value for status in RunStatus if not status.is_final]
 
 
 class SqlStore:
@@ -284,53 +283,37 @@ class SqlStore:
         return Committed(run=run_updated(run, row), steps=new_steps(row, run.id, commit))
 
     def request_cancel(self, run_id: str) -> Run:
-        """Cancel a queued, waiting or interrupted run at once; flag a running one."""
-        for _ in range(_CANCEL_TRIES):
-            run = self._request_cancel(run_id)
-            # Neither update matched, yet the run is not final: it changed status in
-            # between (a running run that paused). Its new status decides: again.
-            if run is not None:
-                return run
-        return self.get_run(run_id)
+        """Cancel a queued, waiting or interrupted run at once; flag a running one.
 
-    def _request_cancel(self, run_id: str) -> Run | None:
+        One statement decides by the status it updates: a run that changes status
+        meanwhile (a running run pausing) is decided by its new status, as Postgres
+        re-reads a row it waited for (SQLite has one writer at a time)."""
         now = utcnow()
+        running = _status_of_one == RunStatus.RUNNING.value
+
+        def unless_running(stopped: Any, column: sa.Column[Any]) -> Any:
+            return sa.case((running, column), else_=stopped)
+
         with self._atomic.begin() as conn:
-            stoppable = [RunStatus.QUEUED.value, RunStatus.WAITING.value]
-            stoppable.append(RunStatus.INTERRUPTED.value)
             row = (
                 conn.execute(
                     R.update()
-                    .where(R.c.id == run_id, _status_of_one.in_(stoppable))
+                    .where(R.c.id == run_id, _status_of_one.in_(_NOT_FINAL))
                     .values(
-                        status=RunStatus.CANCELLED.value,
-                        waiting=None,
-                        claim_owner=None,
-                        claim_expires_at=None,
+                        status=unless_running(RunStatus.CANCELLED.value, R.c.status),
+                        cancel_requested=sa.case((running, True), else_=R.c.cancel_requested),
+                        waiting=unless_running(sa.null(), R.c.waiting),
+                        claim_owner=unless_running(sa.null(), R.c.claim_owner),
+                        claim_expires_at=unless_running(sa.null(), R.c.claim_expires_at),
                         updated_at=now,
-                        finished_at=now,
+                        finished_at=unless_running(now, R.c.finished_at),
                     )
                     .returning(*R.c)
                 )
                 .mappings()
                 .first()
             )
-            if row is None:
-                row = (
-                    conn.execute(
-                        R.update()
-                        .where(R.c.id == run_id, _status_of_one == RunStatus.RUNNING.value)
-                        .values(cancel_requested=True, updated_at=now)
-                        .returning(*R.c)
-                    )
-                    .mappings()
-                    .first()
-                )
-            if row is None:
-                row = self._require(conn, run_id)
-                if not RunStatus(row["status"]).is_final:
-                    return None
-            return run_from_row(row)
+            return run_from_row(row if row is not None else self._require(conn, run_id))
 
     # -- effect records --------------------------------------------------------
 

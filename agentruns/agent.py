@@ -73,9 +73,16 @@ class Agent:
         return list(self._static_tools)
 
     def key_for(self, trigger: TriggerEnvelope) -> str | None:
-        if callable(self.concurrency_key):
-            return self.concurrency_key(trigger)
-        return self.concurrency_key
+        if not callable(self.concurrency_key):
+            return self.concurrency_key
+        key = self.concurrency_key(trigger)
+        if key is None or isinstance(key, str):
+            return key
+        if isinstance(key, int) and not isinstance(key, bool):
+            return str(key)  # an issue number, say
+        raise TypeError(
+            f"agent {self.name!r}: concurrency_key returned {type(key).__name__}, not str or None"
+        )
 
     def __repr__(self) -> str:
         return f"Agent({self.name!r})"

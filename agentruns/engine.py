@@ -58,12 +58,15 @@ from agentruns.store.base import (
     RunRef,
     Store,
 )
+from agentruns.store.schema import KEY_LENGTH
 from agentruns.store.sql import SqlStore
 
 log = logging.getLogger("agentruns")
 
 # How long an execution waits for a free slot before looking again (drain, fallback).
 _SLOT_WAIT_S = 0.2
+# The concurrency key of a run in a thread with none of its own: this, then its name.
+_THREAD_KEY = "thread:"
 _INFRASTRUCTURE = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
@@ -248,19 +251,27 @@ class Engine:
         if concurrency_key is None:
             concurrency_key = found.key_for(envelope)
         if concurrency_key is None and thread is not None:
-            concurrency_key = f"thread:{thread}"
-        try:
-            limits = Budget.model_validate(budget) if isinstance(budget, dict) else budget
-        except ValidationError as exc:
-            raise InvalidTriggerError(f"invalid budget: {exc}") from None
+            concurrency_key = f"{_THREAD_KEY}{thread}"
+        if idempotency_key is None:
+            idempotency_key = envelope.id
+        for what, text, room in (
+            # A thread's name is also its runs' concurrency key, after "thread:".
+            ("thread", thread, KEY_LENGTH - len(_THREAD_KEY)),
+            ("idempotency_key", idempotency_key, KEY_LENGTH),
+            ("concurrency_key", concurrency_key, KEY_LENGTH),
+        ):
+            if text is not None and len(text) > room:
+                raise InvalidTriggerError(
+                    f"{what} is {len(text)} characters long; at most {room} fit"
+                )
         return NewRun(
             id=str(uuid.uuid4()),
             agent=name,
             trigger=envelope,
-            idempotency_key=idempotency_key if idempotency_key is not None else envelope.id,
+            idempotency_key=idempotency_key,
             concurrency_key=concurrency_key,
             thread=thread,
-            budget=limits,
+            budget=_limits(found.budget, budget),
         )
 
     # -- executing -------------------------------------------------------------------
@@ -623,6 +634,17 @@ class Engine:
 
     def on(self, event: EventType, listener: Listener) -> Callable[[], None]:
         return self.events.on(event, listener)
+
+
+def _limits(agent: Budget, budget: Budget | dict[str, Any] | None) -> Budget | None:
+    """A run's own budget: the agent's, with the limits a dispatch names replaced."""
+    if budget is None:
+        return None
+    try:
+        given = Budget.model_validate(budget)
+    except ValidationError as exc:
+        raise InvalidTriggerError(f"invalid budget: {exc}") from None
+    return agent.model_copy(update=given.model_dump(exclude_unset=True))
 
 
 def _envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelope:

@@ -157,6 +157,14 @@ def test_dispatch_refuses_what_no_store_can_keep_storing_nothing(
     for name in ("idempotency_key", "concurrency_key", "thread"):
         with pytest.raises(InvalidTriggerError, match=name):
             engine.dispatch("triage", trigger({}), **{name: lone})
+    # Keys longer than the store keeps; a thread's name is also "thread:<name>".
+    too_long = [{"idempotency_key": "k" * 501}, {"concurrency_key": "k" * 501}]
+    too_long += [{"thread": "t" * 494}, {"thread": "t" * 494, "concurrency_key": "own"}]
+    for fields in too_long:
+        with pytest.raises(InvalidTriggerError, match=next(iter(fields))):
+            engine.dispatch("triage", trigger({}), **fields)
+    with pytest.raises(InvalidTriggerError, match="idempotency_key"):
+        engine.dispatch("triage", trigger({}, id="i" * 501))
     assert engine.list_runs() == []
     assert engine.list_runs(agent=lone) == []
     for call in (engine.get_run, engine.steps, engine.checkpoint, engine.cancel, engine.execute):
@@ -213,6 +221,30 @@ def test_dispatch_budget_overrides_the_agents(make_engine: EngineFactory) -> Non
     run = _run_to_end(engine, budget=Budget(max_steps=2))
     assert run.error is not None and run.error.code == "step_budget_exceeded"
     assert run.steps_used == 2
+
+
+def test_a_dispatch_budget_replaces_only_the_limits_it_names(make_engine: EngineFactory) -> None:
+    limits = Budget(max_steps=3, max_tokens=1000, timeout_s=0.5)
+    slow = Agent("slow", ScriptedModel([text("late")], latency_s=5.0), budget=limits)
+    looping = ScriptedModel([tool_use("search_issues", {"query": "x"})])
+    busy = Agent("busy", looping, tools=[search_issues], budget=limits)
+    engine = make_engine([slow, busy])
+    # Naming max_steps keeps the agent's timeout (a full default Budget had none).
+    run = engine.dispatch("slow", trigger({}), budget={"max_steps": 5})
+    assert run.budget == Budget(max_steps=5, max_tokens=1000, timeout_s=0.5)
+    assert engine.idle(10)
+    run = engine.get_run(run.id)
+    assert run.error is not None and run.error.code == "timeout"
+    # Naming max_tokens keeps the agent's 3 steps (not the default 25).
+    run = engine.dispatch("busy", trigger({}), budget=Budget(max_tokens=5000))
+    assert engine.idle(10)
+    run = engine.get_run(run.id)
+    assert run.error is not None and run.error.code == "step_budget_exceeded"
+    assert run.steps_used == 3
+    # A limit named as None is lifted.
+    run = engine.dispatch("slow", trigger({}), budget={"timeout_s": None})
+    assert run.budget == Budget(max_steps=3, max_tokens=1000, timeout_s=None)
+    engine.cancel(run.id)
 
 
 def test_fatal_tool_error_fails_the_run(make_engine: EngineFactory) -> None:
@@ -305,6 +337,19 @@ def test_state_tools_read_and_merge_state_saved_with_the_checkpoint(
     assert json.loads(model.calls[2][-1]["content"][0]["content"]) == {"seen": 3, "label": "none"}
     checkpoint = engine.checkpoint(run.id)
     assert checkpoint is not None and checkpoint.state == {"seen": 3, "label": "none"}
+
+
+def test_an_agents_concurrency_key_callable_is_checked(make_engine: EngineFactory) -> None:
+    def by_issue(t: TriggerEnvelope) -> Any:
+        return t.payload["issue"]
+
+    engine = make_engine([Agent("a", ScriptedModel([text("ok")]), concurrency_key=by_issue)])
+    assert engine.dispatch("a", trigger({"issue": 123})).concurrency_key == "123"
+    with pytest.raises(InvalidTriggerError, match="concurrency_key is 600"):
+        engine.dispatch("a", trigger({"issue": "i" * 600}))
+    with pytest.raises(TypeError, match="returned list"):
+        engine.dispatch("a", trigger({"issue": [1]}))
+    assert len(engine.list_runs()) == 1
 
 
 def test_runs_of_one_concurrency_key_never_overlap(make_engine: EngineFactory) -> None:

@@ -17,6 +17,9 @@ TS = sa.DateTime(timezone=True)
 # id: they are the rows written on every step, and so is their primary key index.
 RunKey = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 
+# The longest idempotency key, concurrency key or thread name, in characters.
+KEY_LENGTH = 500
+
 runs = sa.Table(
     "agentruns_runs",
     metadata,
@@ -25,9 +28,9 @@ runs = sa.Table(
     sa.Column("agent", sa.String(200), nullable=False),
     sa.Column("status", sa.String(16), nullable=False),
     sa.Column("trigger", sa.JSON, nullable=False),
-    sa.Column("idempotency_key", sa.String(500), unique=True),
-    sa.Column("concurrency_key", sa.String(500)),
-    sa.Column("thread", sa.String(500)),
+    sa.Column("idempotency_key", sa.String(KEY_LENGTH), unique=True),
+    sa.Column("concurrency_key", sa.String(KEY_LENGTH)),
+    sa.Column("thread", sa.String(KEY_LENGTH)),
     sa.Column("budget", sa.JSON),
     sa.Column("output", sa.Text),
     sa.Column("error", sa.JSON),

@@ -339,7 +339,8 @@ class Engine:
         finally:
             self._release_lease(run_id)
         key = run.concurrency_key
-        if key is not None and run.status is not RunStatus.RUNNING:
+        # An interrupted run goes first again once recover() requeues it.
+        if key is not None and run.status not in (RunStatus.RUNNING, RunStatus.INTERRUPTED):
             self._schedule_next(key)
         return run
 

@@ -580,6 +580,48 @@ def test_drain_then_recover_finishes_the_run_without_losing_or_repeating_a_step(
     assert second.recover() == []
 
 
+@pytest.mark.parametrize("store", ["postgres", "sqlite"])
+def test_a_drained_thread_run_goes_first_again_and_its_thread_keeps_its_order(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    make_engine: EngineFactory = request.getfixturevalue(
+        "make_engine" if store == "postgres" else "make_sqlite_engine"
+    )
+
+    # r1 is drained (a deploy) while r2 of its thread is queued behind it: r2 must
+    # not overtake it, or r2 would start from a history without r1's exchange and
+    # the thread's next run from a history without r2's.
+    def results(message: dict[str, Any]) -> bool:
+        content = message["content"]
+        return isinstance(content, list) and content[0].get("type") == "tool_result"
+
+    def script(messages: list[dict[str, Any]]) -> Any:
+        if not results(messages[-1]):  # a new question: look something up first
+            return tool_use("search_issues", {"query": "q"})
+        asked = [m for m in messages if m["role"] == "user" and not results(m)]
+        return text(f"answered {len(asked)} questions")
+
+    model = ScriptedModel(script, latency_s=0.3)
+    first = make_engine([Agent("a", model, tools=[search_issues])])
+    r1 = first.dispatch("a", trigger({"n": 1}), thread="chat")
+    wait_for(lambda: len(model.calls) == 2)  # r1's second model call in flight
+    r2 = first.dispatch("a", trigger({"n": 2}), thread="chat")
+    first.drain(timeout=5)
+    assert first.get_run(r1.id).status is RunStatus.INTERRUPTED
+
+    second = make_engine([Agent("a", model, tools=[search_issues])])
+    assert second.execute(r2.id).status is RunStatus.QUEUED  # r1 goes first
+    assert second.recover() == [r1.id]
+    assert second.idle(10)
+    assert [second.get_run(r.id).status for r in (r1, r2)] == [RunStatus.COMPLETED] * 2
+    r1_done, r2_done = second.get_run(r1.id), second.get_run(r2.id)
+    assert r1_done.finished_at is not None and r2_done.started_at is not None
+    assert r2_done.started_at >= r1_done.finished_at
+    # r2 continued the thread from r1's whole exchange (4 messages) plus its own.
+    assert len(second.checkpoint(r2.id).messages) == 8
+    assert r2_done.output == "answered 2 questions"
+
+
 def test_a_listener_that_raises_reaches_on_error_and_the_run_completes(
     make_engine: EngineFactory, errors: Errors
 ) -> None:

@@ -1,7 +1,8 @@
 -- Claim a queued run (Postgres), as ONE statement: queued -> running with a new
 -- fencing epoch, and the stored transcript it continues from. A run waits while
--- an older run of its concurrency key is queued (oldest first); a running run of
--- its key makes the partial unique index refuse the update.
+-- an older run of its concurrency key is queued, or interrupted by a drain until
+-- recover() requeues it (oldest first: a thread's runs keep their order); a
+-- running run of its key makes the partial unique index refuse the update.
 WITH run AS (
     UPDATE agentruns_runs AS r SET
         status = 'running',
@@ -17,7 +18,7 @@ WITH run AS (
       AND (r.concurrency_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM agentruns_runs AS older
             WHERE older.concurrency_key = r.concurrency_key
-              AND COALESCE(older.status, '') = 'queued'
+              AND COALESCE(older.status, '') IN ('queued', 'interrupted')
               AND (older.created_at, older.id) < (r.created_at, r.id)))
     RETURNING r.*
 )

@@ -116,13 +116,18 @@ class Transactions:
         """Nothing to give back: each write checks its connection out and in again."""
 
 
+# The runs of a concurrency key that go before newer queued ones: queued, and
+# interrupted by a drain (recover() requeues them; a thread's runs keep their order).
+_AHEAD = (RunStatus.QUEUED.value, RunStatus.INTERRUPTED.value)
+
+
 def _claim(run_id: str, owner: str, expires_at: datetime, now: datetime) -> Any:
     """queued -> running with a new epoch, oldest first per concurrency key."""
     older = R.alias("older")
     no_older = ~sa.exists(
         sa.select(older.c.id).where(
             older.c.concurrency_key == R.c.concurrency_key,
-            older.c.status == RunStatus.QUEUED.value,
+            older.c.status.in_(_AHEAD),
             sa.or_(
                 older.c.created_at < R.c.created_at,
                 sa.and_(older.c.created_at == R.c.created_at, older.c.id < R.c.id),

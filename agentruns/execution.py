@@ -152,11 +152,17 @@ class Execution:
         stored = self.start
         messages = stored.messages
         unsaved: list[dict[str, Any]] = []
-        if not messages:
-            if self.run.thread is not None:
-                unsaved = self.store.thread_history(self.run.thread, self.run.id)
-            unsaved = [*unsaved, self.run.trigger.first_message()]
-            messages = list(unsaved)
+        if len(messages) < stored.base_messages:
+            raise InvalidCheckpointError(
+                f"the run continues {stored.base_messages} messages, "
+                f"{len(messages)} of them are stored"
+            )
+        if len(messages) == stored.base_messages:  # none of its own yet: a new run
+            if not messages and self.run.thread is not None:
+                # Continue the thread's previous run: its transcript, read, not copied.
+                messages = self.store.start_thread(self.run.id, self.epoch, self.run.thread)
+            unsaved = [self.run.trigger.first_message()]
+            messages = [*messages, *unsaved]
         else:
             beyond = len(messages) - stored.checkpoint_messages
             # Past the checkpoint there can only be the saved response of the step in

@@ -17,6 +17,7 @@ from pydantic import BaseModel
 from agentruns import (
     Agent,
     Budget,
+    Engine,
     FatalToolError,
     InvalidTriggerError,
     LeaseLostError,
@@ -399,6 +400,62 @@ def test_a_threads_second_run_starts_from_the_first_runs_messages(
     assert json.loads(sent[2]["content"])["payload"] == {"q": 2}
 
 
+def _own_messages(engine: Engine) -> dict[str, int]:
+    """How many message rows each run stored itself, by run id."""
+    with engine.store.engine.connect() as conn:
+        rows = conn.execute(
+            sa.text(
+                "SELECT r.id, count(m.seq) FROM agentruns_runs AS r"
+                " LEFT JOIN agentruns_messages AS m ON m.run_key = r.key GROUP BY r.id"
+            )
+        )
+        return {run_id: n for run_id, n in rows}
+
+
+@pytest.mark.parametrize("store", ["postgres", "sqlite"])
+def test_a_threads_runs_continue_each_other_without_copying_its_history(
+    store: str, request: pytest.FixtureRequest
+) -> None:
+    make_engine: EngineFactory = request.getfixturevalue(
+        "make_engine" if store == "postgres" else "make_sqlite_engine"
+    )
+    model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"))
+    engine = make_engine([Agent("a", model)])
+    runs = []
+    for q in range(6):
+        runs.append(engine.dispatch("a", trigger({"q": q}), thread="chat"))
+        assert engine.idle(10)
+    assert [engine.get_run(r.id).output for r in runs] == [f"answer {2 * q + 1}" for q in range(6)]
+    # The last run's transcript is the whole thread; each run stored only its own
+    # question and answer (a copied history made the k-th run store 2k rows).
+    last = engine.checkpoint(runs[-1].id)
+    assert last is not None and len(last.messages) == 12
+    asked = [json.loads(m["content"])["payload"] for m in last.messages if m["role"] == "user"]
+    assert asked == [{"q": q} for q in range(6)]
+    assert last.messages[-1]["content"][0]["text"] == "answer 11"
+    assert _own_messages(engine) == {r.id: 2 for r in runs}
+
+
+def test_a_thread_run_drained_in_its_first_step_continues_the_thread_once_recovered(
+    make_engine: EngineFactory,
+) -> None:
+    model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"), latency_s=0.3)
+    first = make_engine([Agent("a", model)])
+    r0 = first.dispatch("a", trigger({"q": 0}), thread="chat")
+    assert first.idle(10)
+    r1 = first.dispatch("a", trigger({"q": 1}), thread="chat")
+    wait_for(lambda: len(model.calls) == 2)  # r1's first model call, nothing of its own saved
+    first.drain(timeout=5)
+    assert first.get_run(r1.id).status is RunStatus.INTERRUPTED
+
+    second = make_engine([Agent("a", model)])
+    assert second.recover() == [r1.id]
+    assert second.idle(10)
+    assert second.get_run(r1.id).output == "answer 3"
+    assert [len(m) for m in model.calls] == [1, 3, 3]
+    assert _own_messages(second) == {r0.id: 2, r1.id: 2}
+
+
 def test_cancel_of_a_queued_run_is_immediate(make_engine: EngineFactory) -> None:
     engine = make_engine([Agent("a", ScriptedModel([text("ok")]))], scheduler=ManualScheduler())
     run = engine.dispatch("a", trigger({}))
@@ -602,8 +659,10 @@ def test_a_drained_thread_run_goes_first_again_and_its_thread_keeps_its_order(
         return text(f"answered {len(asked)} questions")
 
     model = ScriptedModel(script, latency_s=0.3)
-    first = make_engine([Agent("a", model, tools=[search_issues])])
+    # This engine executes r1 only: r2's own execution comes later, elsewhere.
+    first = make_engine([Agent("a", model, tools=[search_issues])], scheduler=ManualScheduler())
     r1 = first.dispatch("a", trigger({"n": 1}), thread="chat")
+    threading.Thread(target=first.execute, args=(r1.id,), daemon=True).start()
     wait_for(lambda: len(model.calls) == 2)  # r1's second model call in flight
     r2 = first.dispatch("a", trigger({"n": 2}), thread="chat")
     first.drain(timeout=5)

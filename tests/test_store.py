@@ -69,6 +69,76 @@ def test_an_engine_refuses_an_unmigrated_database_naming_agentruns_migrate(
         Engine(store, agents=[agent], secret="s").close()
 
 
+def test_the_migrations_build_the_schema_the_store_uses(empty_pg: str, tmp_path: object) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.runtime.migration import MigrationContext
+
+    from agentruns.store import schema
+
+    for url in (empty_pg, f"sqlite:///{tmp_path}/fresh.db"):
+        migrate(url)
+        engine = sa.create_engine(url)
+        with engine.connect() as conn:
+            diff = compare_metadata(MigrationContext.configure(conn), schema.metadata)
+        engine.dispose()
+        assert diff == [], url
+
+
+def test_a_thread_stored_before_0002_is_continued_after_it(empty_pg: str, tmp_path: object) -> None:
+    # A thread's run stored by 0001's code holds its history as its own messages;
+    # after the migration, the thread's next run continues from them.
+    from alembic import command
+
+    from agentruns.migrate import _config
+
+    for url in (empty_pg, f"sqlite:///{tmp_path}/old.db"):
+        engine = sa.create_engine(url)
+        with engine.begin() as conn:
+            config = _config()
+            config.attributes["connection"] = conn
+            command.upgrade(config, "0001")
+            conn.execute(
+                sa.text(
+                    "INSERT INTO agentruns_runs (id, agent, status, trigger, thread,"
+                    " concurrency_key, message_count, step_count, steps_used,"
+                    " checkpoint_step, checkpoint_messages, output, created_at, updated_at,"
+                    " finished_at) VALUES ('old', 'a', 'completed', '{}', 'chat', 'thread:chat',"
+                    " 2, 1, 1, 0, 2, 'hello', :now, :now, :now)"
+                ),
+                {"now": utcnow()},
+            )
+            key = conn.execute(sa.text("SELECT key FROM agentruns_runs")).scalar_one()
+            bodies = [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
+            ]
+            for seq, body in enumerate(bodies):
+                conn.execute(
+                    sa.insert(
+                        sa.table(
+                            "agentruns_messages",
+                            sa.column("run_key"),
+                            sa.column("seq"),
+                            sa.column("body", sa.JSON),
+                        )
+                    ),
+                    {"run_key": key, "seq": seq, "body": body},
+                )
+        engine.dispose()
+        migrate(url)
+        model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"))
+        agentruns = Engine(SqlStore(url), agents=[Agent("a", model)], secret="s")
+        try:
+            run = agentruns.dispatch("a", {"source": "s", "trigger": "t"}, thread="chat")
+            assert agentruns.idle(10)
+            assert agentruns.get_run(run.id).output == "answer 3"
+            assert model.calls[0][:2] == bodies
+            checkpoint = agentruns.checkpoint(run.id)
+            assert checkpoint is not None and checkpoint.messages[:2] == bodies
+        finally:
+            agentruns.close()
+
+
 def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url: str) -> None:
     store = SqlStore(db_url)
     run, _ = store.create_run(new_run())
@@ -543,6 +613,42 @@ def test_sqlite_reads_go_on_while_another_process_writes(sqlite_url: str) -> Non
         writer.close()
     # Writes still take the lock first, and so queue behind each other.
     assert store.commit(run, guard, Commit(steps=[_step("after")])) is not None
+    store.close()
+
+
+def test_a_claim_as_an_older_run_of_its_key_is_interrupted_does_not_overtake_it(
+    db_url: str,
+) -> None:
+    # The older run is drained (running -> interrupted) in a transaction still open
+    # as the newer one is claimed: the newer one must stay queued behind it.
+    store = SqlStore(db_url)
+    older, _ = store.create_run(new_run(key="k"))
+    newer, _ = store.create_run(new_run(key="k"))
+    assert store.claim(older.id, "x", soon()) is not None
+    plain = db_url.replace("+psycopg", "")
+    claimed: list[object] = []
+    with psycopg.connect(plain) as draining, psycopg.connect(plain, autocommit=True) as look:
+        draining.execute(
+            "UPDATE agentruns_runs SET status = 'interrupted', claim_owner = NULL WHERE id = %s",
+            (older.id,),
+        )
+        claim = threading.Thread(target=lambda: claimed.append(store.claim(newer.id, "y", soon())))
+        claim.start()
+        # The claim either returns at once or waits for the draining transaction.
+        wait_for(
+            lambda: (
+                claimed
+                or look.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'"
+                ).fetchone()
+            ),
+            "the claim to return or wait",
+        )
+        draining.commit()
+        claim.join(timeout=10)
+    assert claimed == [None]
+    assert store.get_run(newer.id).status is RunStatus.QUEUED
     store.close()
 
 

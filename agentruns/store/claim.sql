@@ -1,9 +1,12 @@
 -- Claim a queued run (Postgres), as ONE statement: queued -> running with a new
 -- fencing epoch, and the stored transcript it continues from. A run waits while
--- an older run of its concurrency key is queued, or interrupted by a drain until
--- recover() requeues it (oldest first: a thread's runs keep their order); a
--- running run of its key makes the partial unique index refuse the update.
-WITH run AS (
+-- an older run of its concurrency key is queued, running, or interrupted by a
+-- drain until recover() requeues it (oldest first: a thread's runs keep their
+-- order). Any running run of its key also makes the partial unique index refuse
+-- the update; the older running one is named here too because the index checks
+-- the row as committed, this as this statement's snapshot saw it: an older run
+-- leaving running (for interrupted) as this claims must not let it through.
+WITH RECURSIVE run AS (
     UPDATE agentruns_runs AS r SET
         status = 'running',
         epoch = r.epoch + 1,
@@ -18,15 +21,25 @@ WITH run AS (
       AND (r.concurrency_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM agentruns_runs AS older
             WHERE older.concurrency_key = r.concurrency_key
-              AND COALESCE(older.status, '') IN ('queued', 'interrupted')
+              AND COALESCE(older.status, '') IN ('queued', 'running', 'interrupted')
               AND (older.created_at, older.id) < (r.created_at, r.id)))
     RETURNING r.*
 )
 -- A new run has no messages: no lookup. (The message rows cannot change under
--- this statement: only the run's owner appends, and it has none until now.)
+-- this statement: only the run's owner appends, and it has none until now.) The
+-- transcript is the run's own messages after those of the runs it continues, as
+-- store/history.py reads it.
+, chain(run_key, base_key, lo, hi) AS (
+    SELECT run.key, run.base_key, COALESCE(run.base_count, 0), run.message_count
+    FROM run WHERE run.message_count > 0
+    UNION
+    SELECT p.key, p.base_key, COALESCE(p.base_count, 0), c.lo
+    FROM agentruns_runs AS p JOIN chain AS c ON p.key = c.base_key
+)
 SELECT run.*,
        CASE WHEN run.message_count > 0 THEN (
-           SELECT json_agg(m.body ORDER BY m.seq) FROM agentruns_messages AS m
-           WHERE m.run_key = run.key)
+           SELECT json_agg(m.body ORDER BY m.seq) FROM chain AS c
+           JOIN agentruns_messages AS m
+             ON m.run_key = c.run_key AND m.seq >= c.lo AND m.seq < c.hi)
        END AS messages
 FROM run

@@ -42,6 +42,11 @@ runs = sa.Table(
     # Next step index and number of stored messages: appends never read the history.
     sa.Column("step_count", sa.Integer, nullable=False, server_default="0"),
     sa.Column("message_count", sa.Integer, nullable=False, server_default="0"),
+    # A run in a thread continues the transcript of the thread's previous completed
+    # run: that run's key and how many messages it holds, read through, not copied.
+    # The run's own messages are numbered on from there.
+    sa.Column("base_key", RunKey),
+    sa.Column("base_count", sa.Integer),
     # Fencing epoch: bumped by every claim; every write of a running run names it.
     sa.Column("epoch", sa.Integer, nullable=False, server_default="0"),
     sa.Column("waiting", sa.JSON),

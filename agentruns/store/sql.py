@@ -18,7 +18,7 @@ from agentruns.runs import (
     Step,
     utcnow,
 )
-from agentruns.store import schema
+from agentruns.store import history, schema
 from agentruns.store.base import (
     Claimed,
     Commit,
@@ -37,7 +37,6 @@ from agentruns.store.transactions import Transactions
 
 R = schema.runs
 S = schema.steps
-M = schema.messages
 E = schema.effects
 
 # The status of a run found by its id: as an expression the status index cannot
@@ -178,12 +177,6 @@ class SqlStore:
             raise RunNotFoundError(run_id)
         return row
 
-    def _messages(self, conn: Connection, run_key: int, upto: int | None) -> list[dict[str, Any]]:
-        query = sa.select(M.c.body).where(M.c.run_key == run_key).order_by(M.c.seq)
-        if upto is not None:
-            query = query.where(M.c.seq < upto)
-        return [r[0] for r in conn.execute(query)]
-
     def checkpoint(self, run_id: str) -> Checkpoint | None:
         with self._reads.connect() as conn:
             row = self._require(conn, run_id)
@@ -192,7 +185,7 @@ class SqlStore:
             return Checkpoint(
                 run_id=run_id,
                 step_index=row["checkpoint_step"],
-                messages=self._messages(conn, row["key"], row["checkpoint_messages"]),
+                messages=history.messages(conn, row["key"], row["checkpoint_messages"]),
                 finish_reason=row["checkpoint_reason"],
                 state=row["state"],
                 created_at=aware(row["checkpoint_at"]),
@@ -204,9 +197,7 @@ class SqlStore:
 
     def _transcript(self, conn: Connection, row: RowMapping) -> Transcript:
         # A run with no stored messages yet needs no query for them.
-        count = row["message_count"]
-        messages = self._messages(conn, row["key"], count) if count else []
-        return self._transcript_of(row, messages)
+        return self._transcript_of(row, history.messages(conn, row["key"], row["message_count"]))
 
     @staticmethod
     def _transcript_of(row: RowMapping | dict[str, Any], messages: list[Any]) -> Transcript:
@@ -216,6 +207,7 @@ class SqlStore:
             checkpoint_step=row["checkpoint_step"],
             state=row["state"],
             pending=row["pending"],
+            base_messages=row["base_count"] or 0,
         )
 
     def pending(self, run_id: str) -> dict[str, Any] | None:
@@ -225,22 +217,40 @@ class SqlStore:
             raise RunNotFoundError(run_id)
         return row[0]  # type: ignore[no-any-return]
 
-    def thread_history(self, thread: str, before_run: str) -> list[dict[str, Any]]:
-        """The transcript of the thread's latest completed run other than ``before_run``."""
-        with self._reads.connect() as conn:
+    def start_thread(self, run_id: str, epoch: int, thread: str) -> list[dict[str, Any]]:
+        """Make a claimed run with no messages continue the thread's latest completed
+        run, and return that run's transcript (none: ``[]``, and nothing changes).
+
+        Guarded as every write: ``LeaseLostError`` if this epoch no longer owns the run."""
+        with self._atomic.begin() as conn:
             prev = conn.execute(
                 sa.select(R.c.key, R.c.checkpoint_messages)
                 .where(
                     R.c.thread == thread,
                     R.c.status == RunStatus.COMPLETED.value,
-                    R.c.id != before_run,
+                    R.c.id != run_id,
                 )
                 .order_by(R.c.finished_at.desc())
                 .limit(1)
             ).first()
-            if prev is None:
+            base_key, base_count = (prev[0], prev[1] or 0) if prev is not None else (None, 0)
+            update = R.update().where(
+                R.c.id == run_id,
+                _status_of_one == RunStatus.RUNNING.value,
+                R.c.epoch == epoch,
+                R.c.message_count == 0,
+            )
+            if base_key is not None:
+                update = update.values(
+                    base_key=base_key, base_count=base_count, message_count=base_count
+                )
+            else:
+                update = update.values(epoch=R.c.epoch)  # only the guard
+            if conn.execute(update).rowcount != 1:
+                raise LeaseLostError(run_id)
+            if base_key is None:
                 return []
-            return self._messages(conn, prev[0], prev[1])
+            return history.messages(conn, base_key, base_count)
 
     # -- claims and guarded writes -------------------------------------------
 

@@ -16,7 +16,7 @@ from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 
 from agentruns.runs import RunStatus
-from agentruns.store import schema
+from agentruns.store import history, schema
 from agentruns.store.base import _UNSET, Commit, Guard, NewRun
 
 R = schema.runs
@@ -51,18 +51,7 @@ class Transactions:
                 row = conn.execute(_claim(run_id, owner, expires_at, now)).mappings().first()
                 if row is None:
                     return None
-                count = row["message_count"]
-                messages = (
-                    conn.execute(
-                        sa.select(M.c.body)
-                        .where(M.c.run_key == row["key"], M.c.seq < count)
-                        .order_by(M.c.seq)
-                    )
-                    .scalars()
-                    .all()
-                    if count
-                    else []
-                )
+                messages = history.messages(conn, row["key"], row["message_count"])
         except IntegrityError:
             return None  # another run of the same concurrency key is running
         return {**row, "messages": list(messages)}
@@ -116,9 +105,9 @@ class Transactions:
         """Nothing to give back: each write checks its connection out and in again."""
 
 
-# The runs of a concurrency key that go before newer queued ones: queued, and
-# interrupted by a drain (recover() requeues them; a thread's runs keep their order).
-_AHEAD = (RunStatus.QUEUED.value, RunStatus.INTERRUPTED.value)
+# The older runs of a concurrency key that hold back a newer queued one (see
+# claim.sql): queued, running, and interrupted by a drain until recover() requeues it.
+_AHEAD = (RunStatus.QUEUED.value, RunStatus.RUNNING.value, RunStatus.INTERRUPTED.value)
 
 
 def _claim(run_id: str, owner: str, expires_at: datetime, now: datetime) -> Any:

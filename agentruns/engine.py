@@ -338,11 +338,27 @@ class Engine:
                     run = self._fail(run, claimed.epoch, error)
         finally:
             self._release_lease(run_id)
+        if run.status is RunStatus.WAITING:
+            self._paused(run)
         key = run.concurrency_key
         # An interrupted run goes first again once recover() requeues it.
         if key is not None and run.status not in (RunStatus.RUNNING, RunStatus.INTERRUPTED):
             self._schedule_next(key)
         return run
+
+    def _paused(self, run: Run) -> None:
+        """After a run paused and its lease is let go: announce the wait, unless it was
+        answered already. An answer (a listener's, or a quick person's) that came while
+        this engine still held the lease scheduled an execution that found the lease
+        held and did nothing: this one schedules it again."""
+        try:
+            current = self.store.get_run(run.id)
+            if current.status is RunStatus.QUEUED:
+                self.scheduler.schedule(run.id)
+            elif current.status is RunStatus.WAITING:
+                self.notify(current)
+        except Exception as exc:
+            self.report(exc)
 
     def _release_lease(self, run_id: str) -> None:
         try:

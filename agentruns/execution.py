@@ -44,8 +44,6 @@ class Host(Protocol):
 
     def report(self, exc: Exception) -> None: ...
 
-    def notify(self, run: Run) -> None: ...
-
     def published(self, committed: Committed) -> None: ...
 
     def is_infrastructure_error(self, exc: Exception) -> bool: ...
@@ -283,20 +281,23 @@ class Execution:
         index: int,
         finish_reason: str,
     ) -> None:
-        """Run the step's calls in the model's order; pause on the first one awaiting approval."""
+        """Run the step's calls in the model's order; pause on the first one awaiting
+        approval, before any call after it runs."""
         tool_steps: list[NewStep] = []
         for call in calls:
             if self.reason is Abort.LEASE_LOST:
                 raise LeaseLostError(self.run.id)
             entry = pending.get(call["id"])
-            if entry is not None and entry["status"] in ("done", "needs_approval"):
+            if entry is not None and entry["status"] == "done":
                 continue
+            if entry is not None and entry["status"] == "needs_approval":
+                break  # still unanswered
             approved = entry is not None and entry["status"] == "approved"
             again = approved and bool(entry and entry.get("unknown"))
             started = utcnow()
             outcome = self._tool_call(call, approved, again, pending, tool_steps)
             if outcome is None:
-                continue  # now awaiting approval
+                break  # now awaiting approval
             pending[call["id"]] = {
                 "status": "done",
                 "content": outcome.content,
@@ -313,7 +314,7 @@ class Execution:
                     finished_at=utcnow(),
                 )
             )
-        awaiting = [c for c in calls if pending[c["id"]]["status"] == "needs_approval"]
+        awaiting = [c for c in calls if pending.get(c["id"], {}).get("status") == "needs_approval"]
         if awaiting:
             self._pause(awaiting[0], pending, tool_steps, index, finish_reason)
         results = [
@@ -420,8 +421,7 @@ class Execution:
             # A cancel came as the run paused (flagged while it ran): a waiting run is
             # cancelled at once, so this one is, and nobody is asked to approve.
             self.run = self.engine.cancel(self.run.id)
-        elif status is RunStatus.WAITING:
-            self.engine.notify(committed)
+        # Otherwise the engine calls the notifier once the run's lease is let go.
         raise _Stop
 
     # -- writes --------------------------------------------------------------------------

@@ -20,8 +20,9 @@ from agentruns import (
     WaitPoint,
     tool,
 )
+from agentruns.events import Event
 from agentruns.models import ScriptedModel, text, tool_use
-from tests.conftest import EngineFactory, Errors, trigger
+from tests.conftest import EngineFactory, Errors, trigger, wait_for
 
 
 class Calls(list[tuple[str, dict[str, Any]]]):
@@ -215,6 +216,58 @@ def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
 
 
+def test_a_denied_call_still_lets_the_calls_after_it_run_in_order(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    model = ScriptedModel(
+        [
+            [
+                tool_use("search", {"query": "before"}),
+                tool_use("post_comment", {"issue": "1", "body": "a"}),
+                tool_use("search", {"query": "after"}),
+            ],
+            text("ok"),
+        ]
+    )
+    engine = make_engine([Agent("triage", model, tools=tracker_tools(calls))])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    assert calls == [("search", {"query": "before"})]
+    engine.resume(engine.approval_token(run.id), approved=False, reason="no")
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    assert calls == [("search", {"query": "before"}), ("search", {"query": "after"})]
+    results = model.calls[1][-1]["content"]
+    assert [r.get("is_error", False) for r in results] == [False, True, False]
+
+
+@pytest.mark.parametrize("answered_by", ["notifier", "listener"])
+def test_an_answer_given_while_the_run_pauses_is_not_lost(
+    make_engine: EngineFactory, calls: Calls, answered_by: str
+) -> None:
+    # An auto-approver answers in the notifier, or in a run.updated listener, while
+    # the pausing execution still holds the run's lease: the execution the answer
+    # schedules finds the lease held; the run must still go on, not stay queued.
+    engines: list[Engine] = []
+
+    def approve(run: Run, wait: WaitPoint, token: str) -> None:
+        engines[0].resume(token, approved=True)
+
+    def on_update(event: Event) -> None:
+        run = event.run
+        if run is not None and run.status is RunStatus.WAITING:
+            engines[0].resume(engines[0].approval_token(run.id), approved=True)
+
+    agent, model = comment_agent(calls, notifier=approve if answered_by == "notifier" else None)
+    engine = make_engine([agent])
+    engines.append(engine)
+    if answered_by == "listener":
+        engine.on("run.updated", on_update)
+    run = engine.dispatch("triage", trigger({}))
+    wait_for(lambda: engine.get_run(run.id).status.is_final, "the run to finish", timeout=10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    assert calls.names() == ["post_comment"] and len(model.calls) == 2
+
+
 def test_two_approvals_in_one_step_pause_one_at_a_time_and_the_model_is_called_twice(
     make_engine: EngineFactory, calls: Calls
 ) -> None:
@@ -230,12 +283,13 @@ def test_two_approvals_in_one_step_pause_one_at_a_time_and_the_model_is_called_t
     )
     engine = make_engine([Agent("triage", model, tools=tracker_tools(calls))])
     run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
-    assert calls.names() == ["search"]  # calls that need no approval run as usual
+    assert calls == []  # the calls after one awaiting approval wait for its answer
     first = run.waiting
     assert first is not None and first.input == {"issue": "1", "body": "a"}
 
     engine.resume(engine.approval_token(run.id), approved=True)
     run = wait_until_waiting(engine, run.id)
+    assert calls.names() == ["post_comment", "search"]  # in the model's order
     second = run.waiting
     assert second is not None and second.input == {"issue": "2", "body": "b"}
     assert second.approval_id != first.approval_id
@@ -245,7 +299,7 @@ def test_two_approvals_in_one_step_pause_one_at_a_time_and_the_model_is_called_t
     assert engine.idle(10)
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
     assert len(model.calls) == 2
-    assert calls.names() == ["search", "post_comment"]
+    assert calls.names() == ["post_comment", "search"]
     results = model.calls[1][-1]["content"]
     assert [r["tool_use_id"] for r in results] == [b["id"] for b in model.calls[1][-2]["content"]]
     assert [r.get("is_error", False) for r in results] == [False, False, True]

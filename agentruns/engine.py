@@ -264,6 +264,8 @@ class Engine:
                 raise InvalidTriggerError(
                     f"{what} is {len(text)} characters long; at most {room} fit"
                 )
+            if text is not None and "\x00" in text:
+                raise InvalidTriggerError(f"{what} must not hold a NUL character: {text!r}")
         return NewRun(
             id=str(uuid.uuid4()),
             agent=name,
@@ -543,12 +545,15 @@ class Engine:
             wait = run.waiting
             if wait is None:
                 continue
-            if wait.expires_at <= now:
-                # InvalidTokenError: someone answered it meanwhile.
-                with contextlib.suppress(InvalidTokenError):
-                    self._answer(run, approved=False, reason="approval expired")
-            elif wait.notified_at is None:
-                self.notify(run)
+            try:
+                if wait.expires_at <= now:
+                    # InvalidTokenError: someone answered it meanwhile.
+                    with contextlib.suppress(InvalidTokenError):
+                        self._answer(run, approved=False, reason="approval expired")
+                elif wait.notified_at is None:
+                    self.notify(run)
+            except Exception as exc:  # one run's trouble does not hold up the others
+                self.report(exc)
 
     def recover(self) -> list[str]:
         """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge was lost."""

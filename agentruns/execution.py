@@ -261,7 +261,9 @@ class Execution:
             write.checkpoint = (index, response.stop_reason)
             write.state = self._state_to_save()
             write.status = RunStatus.COMPLETED
-            write.output = response.text
+            # The run's output is a text column, which on Postgres cannot hold NUL
+            # (the transcript keeps the answer exactly).
+            write.output = response.text.replace("\x00", "\ufffd")
             write.release_claim = True
             write.pending = None
             self._commit(write)
@@ -513,6 +515,8 @@ def _malformed(response: ModelResponse) -> str | None:
             seen.add(block["id"])
             if not isinstance(block.get("name"), str) or not block["name"]:
                 return "a tool_use block has no name"
+            if "\x00" in block["name"]:
+                return "a tool_use name holds a NUL character"
             if not isinstance(block.get("input"), dict):
                 return f"the input of tool_use {block['id']} is not an object"
     return None

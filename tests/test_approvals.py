@@ -182,6 +182,56 @@ def test_expired_token_is_refused_and_tick_denies_the_expired_wait(
     assert len([s for s in engine.steps(run.id) if s.kind == "wait"]) == 1
 
 
+def test_an_approval_whose_input_holds_a_nul_can_be_answered_and_expired(
+    make_engine: EngineFactory, calls: Calls, errors: Errors
+) -> None:
+    # JSON keeps "\u0000", but Postgres cannot read such a document as text: the
+    # resume's guard and tick's expiry must not depend on that.
+    def agent(name: str, body: str) -> Agent:
+        model = ScriptedModel(
+            [tool_use("post_comment", {"issue": "7", "body": body}), text("Done.")]
+        )
+        return Agent(name, model, tools=tracker_tools(calls), approval_ttl=timedelta(seconds=1))
+
+    engine = make_engine([agent("nul", "a\x00b"), agent("plain", "ab")])
+    answered = wait_until_waiting(engine, engine.dispatch("nul", trigger({})).id)
+    engine.resume(engine.approval_token(answered.id), approved=True)
+    assert engine.idle(10)
+    assert engine.get_run(answered.id).status is RunStatus.COMPLETED
+    assert calls == [("post_comment", {"issue": "7", "body": "a\x00b"})]
+
+    runs = [
+        wait_until_waiting(engine, engine.dispatch(a, trigger({})).id) for a in ("nul", "plain")
+    ]
+    time.sleep(1.1)
+    engine.tick()
+    assert engine.idle(10)
+    assert [engine.get_run(r.id).status for r in runs] == [RunStatus.COMPLETED] * 2
+    assert len(calls) == 1 and errors == []
+
+
+def test_tick_goes_on_past_a_run_it_cannot_answer(
+    make_engine: EngineFactory, calls: Calls, errors: Errors, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent, _ = comment_agent(calls, approval_ttl=timedelta(seconds=0.5))
+    engine = make_engine([agent])
+    runs = [wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id) for _ in "ab"]
+    time.sleep(1.1)
+    answer = engine._answer
+
+    def broken_for_the_first(run: Run, **kwargs: Any) -> Run:
+        if run.id == runs[0].id:
+            raise RuntimeError("this one is broken")
+        return answer(run, **kwargs)
+
+    monkeypatch.setattr(engine, "_answer", broken_for_the_first)
+    engine.tick()
+    assert engine.idle(10)
+    statuses = [engine.get_run(r.id).status for r in runs]
+    assert statuses == [RunStatus.WAITING, RunStatus.COMPLETED]
+    assert [str(e) for e in errors] == ["this one is broken"]
+
+
 def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(
     make_engine: EngineFactory, calls: Calls, errors: Errors
 ) -> None:

@@ -166,6 +166,12 @@ def test_dispatch_refuses_what_no_store_can_keep_storing_nothing(
             engine.dispatch("triage", trigger({}), **fields)
     with pytest.raises(InvalidTriggerError, match="idempotency_key"):
         engine.dispatch("triage", trigger({}, id="i" * 501))
+    # NUL: Postgres text cannot hold it (libpq cut "order\x00A" to "order").
+    for name in ("idempotency_key", "concurrency_key", "thread"):
+        with pytest.raises(InvalidTriggerError, match=f"{name} must not hold a NUL"):
+            engine.dispatch("triage", trigger({}), **{name: "order\x00A"})
+    with pytest.raises(InvalidTriggerError, match="NUL"):
+        engine.dispatch("triage", trigger({}, id="order\x00A"))
     assert engine.list_runs() == []
     assert engine.list_runs(agent=lone) == []
     for call in (engine.get_run, engine.steps, engine.checkpoint, engine.cancel, engine.execute):
@@ -248,6 +254,22 @@ def test_a_dispatch_budget_replaces_only_the_limits_it_names(make_engine: Engine
     engine.cancel(run.id)
 
 
+def test_a_nul_in_the_payload_and_the_answer_is_kept_in_the_transcript(
+    make_engine: EngineFactory,
+) -> None:
+    model = ScriptedModel([tool_use("search_issues", {"query": "a\x00b"}), text("x\x00y")])
+    engine = make_engine([Agent("a", model, tools=[search_issues])])
+    run = engine.get_run(engine.dispatch("a", trigger({"q": "a\x00b"})).id)
+    assert engine.idle(10)
+    run = engine.get_run(run.id)
+    assert run.status is RunStatus.COMPLETED
+    assert run.output == "x\ufffdy"  # a text column cannot hold NUL; the transcript does
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None
+    assert checkpoint.messages[-1]["content"][0]["text"] == "x\x00y"
+    assert json.loads(checkpoint.messages[0]["content"])["payload"] == {"q": "a\x00b"}
+
+
 def test_fatal_tool_error_fails_the_run(make_engine: EngineFactory) -> None:
     @tool
     def explode() -> str:
@@ -307,6 +329,7 @@ def test_malformed_model_reply_fails_with_model_error_keeping_the_transcript(
         {"type": "tool_use", "name": "x", "id": "t"},  # no input
         {"type": "text", "text": 123},
         {"type": "text"},
+        {"type": "tool_use", "name": "a\x00b", "id": "t", "input": {}},  # no store keeps it
     ]
     for reply in malformed:
         model = ScriptedModel([tool_use("search_issues", {"query": "x"}), reply])

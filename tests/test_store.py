@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import uuid
 from datetime import timedelta
@@ -124,8 +125,22 @@ def test_a_thread_stored_before_0002_is_continued_after_it(empty_pg: str, tmp_pa
                     ),
                     {"run_key": key, "seq": seq, "body": body},
                 )
+            # A run waiting then keeps its token id, which a resume's guard now reads.
+            conn.execute(
+                sa.text(
+                    "INSERT INTO agentruns_runs (id, agent, status, trigger, waiting,"
+                    " created_at, updated_at) VALUES ('waits', 'a', 'waiting', '{}',"
+                    " :waiting, :now, :now)"
+                ),
+                {"now": utcnow(), "waiting": json.dumps({"token_id": "t1", "input": "\x00"})},
+            )
         engine.dispose()
         migrate(url)
+        engine = sa.create_engine(url)
+        with engine.connect() as conn:
+            tokens = conn.execute(sa.text("SELECT id, waiting_token FROM agentruns_runs"))
+            assert dict(tokens.all()) == {"old": None, "waits": "t1"}
+        engine.dispose()
         model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"))
         agentruns = Engine(SqlStore(url), agents=[Agent("a", model)], secret="s")
         try:

@@ -24,6 +24,7 @@ WITH run AS (
         output = COALESCE(%(output)s, output),
         error = CASE WHEN %(set_error)s THEN %(error)s::json ELSE error END,
         waiting = CASE WHEN %(set_waiting)s THEN %(waiting)s::json ELSE waiting END,
+        waiting_token = CASE WHEN %(set_waiting)s THEN %(waiting_token)s ELSE waiting_token END,
         claim_owner = CASE WHEN %(release)s THEN NULL ELSE claim_owner END,
         claim_expires_at = CASE WHEN %(release)s THEN NULL ELSE claim_expires_at END
     -- The run is found by its id's unique index; the guard is a filter. (As
@@ -32,7 +33,7 @@ WITH run AS (
     WHERE id = %(run_id)s
       AND COALESCE(status, '') = %(guard_status)s
       AND (%(guard_epoch)s::int IS NULL OR epoch = %(guard_epoch)s::int)
-      AND (%(guard_token)s::text IS NULL OR waiting ->> 'token_id' = %(guard_token)s::text)
+      AND (%(guard_token)s::text IS NULL OR waiting_token = %(guard_token)s::text)
     RETURNING *
 ), {appends}, lazy AS (
     -- A write marked not durable (the tool results of a step: a recovery repeats

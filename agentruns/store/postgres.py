@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from psycopg import pq
 from psycopg.adapt import Transformer
 
-from agentruns.store.base import _UNSET, Commit, Guard, NewRun, NewStep
+from agentruns.store.base import _UNSET, Commit, Guard, NewRun
 from agentruns.store.connect import dumps
 from agentruns.store.held import Held
 
@@ -236,6 +236,8 @@ def _text(value: Any) -> bytes | None:
     if value is False:
         return b"f"
     if isinstance(value, str):
+        if "\x00" in value:  # libpq would cut the text there
+            raise ValueError(f"Postgres text cannot hold a NUL character: {value[:80]!r}")
         return value.encode()
     if isinstance(value, datetime):
         return value.isoformat().encode()
@@ -277,6 +279,9 @@ def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> d
         "set_error": commit.error is not None,
         "error": dumps(commit.error.model_dump(mode="json")) if commit.error else None,
         "set_waiting": commit.waiting is not _UNSET,
+        "waiting_token": (
+            commit.waiting.token_id if commit.waiting not in (_UNSET, None) else None
+        ),
         "waiting": (
             dumps(commit.waiting.model_dump(mode="json"))
             if commit.waiting not in (_UNSET, None)
@@ -296,22 +301,16 @@ def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> d
         params["step_finished_at"] = step.finished_at
         params["message"] = dumps(messages[0])
     else:
-        params["steps"] = dumps([_step_fields(s) for s in steps])
+        params["step_kinds"] = dumps([s.kind for s in steps])
+        params["step_names"] = dumps([s.name for s in steps])
+        params["step_inputs"] = dumps([s.input for s in steps])
+        params["step_outputs"] = dumps([s.output for s in steps])
+        params["step_errors"] = dumps([s.error for s in steps])
+        params["step_started_at"] = dumps([s.started_at.isoformat() for s in steps])
+        params["step_finished_at"] = dumps([s.finished_at.isoformat() for s in steps])
         params["messages"] = dumps(messages)
     return params
 
 
 def _one_step_one_message(commit: Commit) -> bool:
     return len(commit.steps) == 1 and len(commit.messages) == 1
-
-
-def _step_fields(step: NewStep) -> dict[str, Any]:
-    return {
-        "kind": step.kind,
-        "name": step.name,
-        "input": step.input,
-        "output": step.output,
-        "error": step.error,
-        "started_at": step.started_at.isoformat(),
-        "finished_at": step.finished_at.isoformat(),
-    }

@@ -50,6 +50,9 @@ runs = sa.Table(
     # Fencing epoch: bumped by every claim; every write of a running run names it.
     sa.Column("epoch", sa.Integer, nullable=False, server_default="0"),
     sa.Column("waiting", sa.JSON),
+    # The waiting wait point's token id, which a resume's guard compares: read out
+    # of the JSON, a \u0000 anywhere in the tool's input made Postgres refuse it.
+    sa.Column("waiting_token", sa.String(64)),
     sa.Column("claim_owner", sa.String(200)),
     sa.Column("claim_expires_at", TS),
     sa.Column("cancel_requested", sa.Boolean, nullable=False, server_default=sa.false()),

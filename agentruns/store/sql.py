@@ -313,6 +313,7 @@ class SqlStore:
                         status=unless_running(RunStatus.CANCELLED.value, R.c.status),
                         cancel_requested=sa.case((running, True), else_=R.c.cancel_requested),
                         waiting=unless_running(sa.null(), R.c.waiting),
+                        waiting_token=unless_running(sa.null(), R.c.waiting_token),
                         claim_owner=unless_running(sa.null(), R.c.claim_owner),
                         claim_expires_at=unless_running(sa.null(), R.c.claim_expires_at),
                         updated_at=now,

@@ -64,7 +64,7 @@ class Transactions:
         if guard.epoch is not None:
             stmt = stmt.where(R.c.epoch == guard.epoch)
         if guard.token_id is not None:
-            stmt = stmt.where(R.c.waiting["token_id"].as_string() == guard.token_id)
+            stmt = stmt.where(R.c.waiting_token == guard.token_id)
         stmt = stmt.values(**_changes(commit, now)).returning(*R.c)
         with self.engine.begin() as conn:
             row = conn.execute(stmt).mappings().first()
@@ -175,6 +175,7 @@ def _changes(commit: Commit, now: datetime) -> dict[str, Any]:
     if commit.error is not None:
         values["error"] = commit.error.model_dump(mode="json")
     if commit.waiting is not _UNSET:
+        values["waiting_token"] = commit.waiting.token_id if commit.waiting is not None else None
         values["waiting"] = (
             commit.waiting.model_dump(mode="json") if commit.waiting is not None else None
         )

@@ -1,4 +1,5 @@
-"""A thread's run reads the previous run's transcript through, instead of copying it.
+"""A thread's run reads the previous run's transcript through, instead of copying
+it; a waiting run's token id gets a column of its own.
 
 Revision ID: 0002
 Revises: 0001
@@ -23,9 +24,24 @@ def upgrade() -> None:
     with op.batch_alter_table("agentruns_runs") as batch:
         batch.add_column(sa.Column("base_key", RUN_KEY))
         batch.add_column(sa.Column("base_count", sa.Integer))
+        batch.add_column(sa.Column("waiting_token", sa.String(64)))
+    # Runs waiting now keep their token id.
+    runs = sa.table(
+        "agentruns_runs", sa.column("status"), sa.column("waiting", sa.JSON), sa.column("key")
+    )
+    conn = op.get_bind()
+    for key, waiting in conn.execute(
+        sa.select(runs.c.key, runs.c.waiting).where(runs.c.status == "waiting")
+    ):
+        if isinstance(waiting, dict) and isinstance(waiting.get("token_id"), str):
+            conn.execute(
+                sa.text("UPDATE agentruns_runs SET waiting_token = :t WHERE key = :k"),
+                {"t": waiting["token_id"], "k": key},
+            )
 
 
 def downgrade() -> None:
     with op.batch_alter_table("agentruns_runs") as batch:
+        batch.drop_column("waiting_token")
         batch.drop_column("base_count")
         batch.drop_column("base_key")

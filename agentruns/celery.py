@@ -114,14 +114,28 @@ if _has_celeryconfig():
 
 
 @app.on_after_configure.connect  # type: ignore[untyped-decorator]
-def _pick_transport(sender: Celery, **_: Any) -> None:
-    """A Redis broker gets agentruns' Redis transport (``agentruns.broker``: the same
-    transport, without a new Redis client per command), unless the configuration
-    names a transport itself. Decided once the final configuration is known, so a
-    ``celeryconfig.py`` that points ``broker_url`` elsewhere gets Celery's own."""
+def _configured(sender: Celery, **_: Any) -> None:
     conf = sender.conf
+    _apply_celeryconfig(conf)
+    # A Redis broker gets agentruns' Redis transport (``agentruns.broker``: the same
+    # transport, without a new Redis client per command), unless the configuration
+    # names a transport itself. Decided once the final configuration is known, so a
+    # ``celeryconfig.py`` that points ``broker_url`` elsewhere gets Celery's own.
     if conf.broker_transport is None and isinstance(conf.broker_url, str):
         conf.broker_transport = transport_for(conf.broker_url)
+
+
+def _apply_celeryconfig(conf: Any) -> None:
+    """Give the config module's settings the last word. Celery ranks defaults added
+    with ``add_defaults`` above its config module, so without this the module could
+    not override any setting of :func:`defaults` (only add others)."""
+    if not _has_celeryconfig():
+        return
+    with cwd_in_path():
+        module = importlib.import_module("celeryconfig")
+    for name, value in vars(module).items():
+        if name in conf and not name.startswith("_"):  # Celery's settings, not helpers
+            conf[name] = value
 
 
 # -- the process's engine -------------------------------------------------------------

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import json
+import os
 import socket
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,10 +17,13 @@ from pydantic import ValidationError
 
 from agentruns import Engine, LocalLeases, SqlStore
 from agentruns.broadcast import EventPublisher
+from agentruns.celery import defaults
 from agentruns.errors import AgentrunsError
 from agentruns.settings import Settings
 from agentruns.wiring import engine_from_settings
 from tests.conftest import REDIS_URL
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize(
@@ -79,3 +87,42 @@ class _Event:
 
     def __init__(self, index: int) -> None:
         self.step = type("Step", (), {"run_id": "r", "index": index})()
+
+
+CONF_PROBE = """
+import json
+from agentruns.celery import app
+names = ["worker_prefetch_multiplier", "task_time_limit", "broker_url", "task_acks_late"]
+print(json.dumps({n: app.conf[n] for n in names}))
+"""
+
+
+@pytest.mark.parametrize("override", [True, False])
+def test_a_celeryconfig_overrides_agentruns_defaults_and_keeps_the_rest(
+    tmp_path: Path, override: bool
+) -> None:
+    # Celery ranks add_defaults() above the config module: without care, a
+    # celeryconfig.py could not override one of agentruns' settings.
+    lines = ['broker_url = "redis://127.0.0.1:6379/7"']
+    if override:
+        lines += ["worker_prefetch_multiplier = 4", "task_time_limit = 123"]
+    (tmp_path / "celeryconfig.py").write_text("\n".join(lines) + "\n")
+    env = {**os.environ, "AGENTRUNS_DATABASE_URL": "sqlite:///x.db", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", CONF_PROBE],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stdout
+    conf = json.loads(out.strip().splitlines()[-1])
+    ours = defaults()
+    assert conf["broker_url"] == "redis://127.0.0.1:6379/7"
+    assert conf["task_acks_late"] is True  # agentruns' at-least-once settings stay
+    if override:
+        assert (conf["worker_prefetch_multiplier"], conf["task_time_limit"]) == (4, 123)
+    else:
+        assert conf["worker_prefetch_multiplier"] == ours["worker_prefetch_multiplier"]
+        assert conf["task_time_limit"] == ours["task_time_limit"]

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from celery import Celery, signals
 from celery.utils.imports import cwd_in_path
+from kombu.entity import Exchange, Queue
 
 from agentruns.broker import transport_for
 from agentruns.settings import get_settings
@@ -35,6 +36,17 @@ log = logging.getLogger("agentruns")
 DRAIN_TIMEOUT_S = 10.0
 # Sent by the worker's main process to its prefork children: "drain now".
 _DRAIN_SIGNAL = signal.SIGUSR2
+
+
+def sweeps_queue(queue: str) -> str:
+    """The queue of beat's sweeps (``tick`` and ``recover``) beside the runs' ``queue``."""
+    return f"{queue}.sweeps"
+
+
+def _queue(name: str) -> Any:
+    """A queue as Celery declares its default one: a direct exchange and routing key
+    of the queue's own name."""
+    return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
 
 
 def defaults() -> dict[str, Any]:
@@ -76,6 +88,15 @@ def defaults() -> dict[str, Any]:
         "task_ignore_result": True,
         # Several deployments (or test sessions) can share one Redis.
         "task_default_queue": s.queue,
+        # Beat's sweeps have a queue of their own, which every worker also consumes:
+        # behind a backlog of runs in the main queue they would wait for all of it
+        # (and expire unrun), leaving drained and crashed runs unrecovered meanwhile.
+        # Now a sweep waits only for the next free pool slot.
+        "task_queues": [_queue(s.queue), _queue(sweeps_queue(s.queue))],
+        "task_routes": {
+            "agentruns.tick": {"queue": sweeps_queue(s.queue)},
+            "agentruns.recover": {"queue": sweeps_queue(s.queue)},
+        },
         "task_serializer": "json",
         "accept_content": ["json"],
         # Flower (and `celery events`) see every task from the moment it is sent.
@@ -115,12 +136,16 @@ if _has_celeryconfig():
 
 @app.on_after_configure.connect  # type: ignore[untyped-decorator]
 def _configured(sender: Celery, **_: Any) -> None:
+    _apply_celeryconfig(sender.conf)
+    _pick_transport(sender)
+
+
+def _pick_transport(sender: Celery, **_: Any) -> None:
+    """A Redis broker gets agentruns' Redis transport (``agentruns.broker``: the same
+    transport, without a new Redis client per command), unless the configuration
+    names a transport itself. Decided once the final configuration is known, so a
+    ``celeryconfig.py`` that points ``broker_url`` elsewhere gets Celery's own."""
     conf = sender.conf
-    _apply_celeryconfig(conf)
-    # A Redis broker gets agentruns' Redis transport (``agentruns.broker``: the same
-    # transport, without a new Redis client per command), unless the configuration
-    # names a transport itself. Decided once the final configuration is known, so a
-    # ``celeryconfig.py`` that points ``broker_url`` elsewhere gets Celery's own.
     if conf.broker_transport is None and isinstance(conf.broker_url, str):
         conf.broker_transport = transport_for(conf.broker_url)
 

@@ -203,15 +203,16 @@ def forget_queue(name: str) -> None:
     """Remove a queue's keys, and its messages a killed worker left unacked."""
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        keys = [*client.scan_iter(f"{name}*"), f"_kombu.binding.{name}"]
-        client.delete(*keys)
+        keys = [*client.scan_iter(f"{name}*"), *client.scan_iter(f"_kombu.binding.{name}*")]
+        if keys:
+            client.delete(*keys)
         # A killed worker's unacked message would come back after the visibility timeout.
         for tag, raw in client.hscan_iter("unacked"):
             try:
                 _, exchange, routing_key = json.loads(raw)
             except (ValueError, TypeError):
                 continue
-            if name in (exchange, routing_key):
+            if any(str(part).startswith(name) for part in (exchange, routing_key)):
                 client.hdel("unacked", tag)
                 client.zrem("unacked_index", tag)
     finally:

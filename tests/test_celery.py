@@ -26,7 +26,9 @@ import redis
 import sqlalchemy as sa
 
 from agentruns import CeleryScheduler, Engine, RedisLeases, Run, RunStatus, SqlStore
+from agentruns.celery import defaults, sweeps_queue
 from agentruns.migrate import migrate
+from agentruns.schedulers import ManualScheduler
 from agentruns.settings import get_settings
 from bench.cluster import Cluster as BaseCluster
 from bench.cluster import Proc, forget_queue
@@ -296,6 +298,42 @@ def test_runs_whose_messages_were_lost_are_rescheduled_by_recover(
     for run in runs:
         done = wait_for(partial(completed, engine, run.id), "the runs to complete")
         assert_replayed_once(engine, done, QUICK_SCRIPT)
+
+
+def test_a_sweep_does_not_wait_behind_a_backlog_of_runs(
+    cluster: Cluster,
+    engine: Engine,
+    make_engine: EngineFactory,
+    queue: str,
+    celery_app: Any,
+    db_url: str,
+) -> None:
+    # A run a drain left interrupted, and a worker with one slot and a backlog of
+    # runs of about 2 s each: beat's recover must not wait for the whole backlog.
+    assert defaults()["task_routes"]["agentruns.recover"] == {"queue": sweeps_queue(queue)}
+    quiet = make_engine([celery_agents.quick], scheduler=ManualScheduler())
+    drained = quiet.dispatch("quick", trigger({"drained": True}))
+    with psycopg.connect(db_url.replace("+psycopg", "")) as c:
+        c.execute("UPDATE agentruns_runs SET status = 'interrupted' WHERE id = %s", (drained.id,))
+    backlog = [engine.dispatch("charger", trigger({"n": i})) for i in range(5)]
+    (worker,) = cluster.workers("w1", concurrency=1)
+    wait_for(lambda: engine.get_run(backlog[0].id).status is RunStatus.RUNNING, "the backlog")
+    celery_app.send_task("agentruns.recover", queue=sweeps_queue(queue))
+    wait_for(
+        lambda: engine.get_run(drained.id).status is not RunStatus.INTERRUPTED,
+        "recover to requeue the drained run",
+        timeout=30,
+    )
+    done = [engine.get_run(r.id).status for r in backlog].count(RunStatus.COMPLETED)
+    assert done <= 2, f"recover ran after {done} of the backlog's 5 runs"
+    # It also nudges the backlog's runs, queued for longer than REQUEUE_AFTER: let it
+    # finish before the queue is emptied for the tests after this one.
+    wait_for(lambda: re.search(r"agentruns\.recover\[\S+\] succeeded", worker.output()), "recover")
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        client.delete(queue)  # the rest of the backlog, for the tests after this one
+    finally:
+        client.close()
 
 
 def test_redelivered_and_bad_messages_store_nothing_more(cluster: Cluster, engine: Engine) -> None:

@@ -60,21 +60,28 @@ def defaults() -> dict[str, Any]:
     message leaves behind.
     """
     s = get_settings()
-    # Redis redelivers a message nobody acked within the visibility timeout. A
-    # redelivery is harmless (the claim decides), but a task should never outlive
-    # it in normal operation, so the hard time limit sits below it.
-    visibility_timeout = 3600
+    # Redis redelivers a message nobody acked within the visibility timeout. That
+    # is how a message a killed worker held comes back: a dispatch it had not
+    # stored yet would otherwise be gone until then (a stored run is recovered
+    # sooner, by recover()). So it is short, five minutes, and looked for every
+    # 10 s; a run longer than that has its message redelivered meanwhile, which
+    # the claim makes a no-op.
+    visibility_timeout = 300
     return {
         # The broker is the Redis that holds the leases unless AGENTRUNS_BROKER_URL says otherwise.
         "broker_url": s.effective_broker_url or "redis://localhost:6379/0",
         # A worker that starts before Redis keeps trying instead of exiting.
         "broker_connection_retry_on_startup": True,
-        "broker_transport_options": {"visibility_timeout": visibility_timeout},
+        "broker_transport_options": {
+            "visibility_timeout": visibility_timeout,
+            "unacked_restore_interval": 10,
+            "unacked_restore_throttle": 1,
+        },
         # The hard limit only backstops a hung prefork child (the threads pool cannot
         # enforce limits): it kills the process, the lease expires and ``recover``
         # resumes the run. No soft limit: it would raise inside the engine at an
         # arbitrary point and fail the run; ``Budget.timeout_s`` settles cleanly.
-        "task_time_limit": visibility_timeout - 600,
+        "task_time_limit": 3000,
         # Ack after the task returns, and give a message back if the worker process
         # dies mid-task: a crash becomes a redelivery (a nudge), never a lost run.
         "task_acks_late": True,

@@ -90,10 +90,11 @@ class Cluster:
     process logs to ``logdir``; ``stop()`` ends every one of them.
     """
 
-    def __init__(self, env: dict[str, str], queue: str, logdir: Path) -> None:
+    def __init__(self, env: dict[str, str], queue: str, logdir: Path, cwd: Path = ROOT) -> None:
         self.queue = queue
         self.logdir = logdir
         self.env = env
+        self.cwd = cwd  # where celeryconfig.py is found
         self.procs: list[Proc] = []
 
     def _start(self, name: str, args: list[str]) -> Proc:
@@ -101,7 +102,7 @@ class Cluster:
         with open(log, "wb") as out:
             popen = subprocess.Popen(
                 [CELERY, "-A", "agentruns", *args],
-                cwd=ROOT,
+                cwd=self.cwd,
                 env=self.env,
                 stdout=out,
                 stderr=subprocess.STDOUT,

@@ -336,6 +336,47 @@ def test_a_sweep_does_not_wait_behind_a_backlog_of_runs(
         client.close()
 
 
+def test_a_dispatch_a_killed_worker_had_not_stored_comes_back(
+    tmp_path: Path, cluster: Cluster, engine: Engine, db_url: str
+) -> None:
+    # The worker takes the message, then is killed before it stores the run: only
+    # the broker knows of it, and Redis gives it back after the visibility timeout
+    # (five minutes by default; this deployment's celeryconfig.py makes it 3 s).
+    from agentruns.tasks import dispatch
+
+    assert defaults()["broker_transport_options"]["visibility_timeout"] <= 300
+    conf = tmp_path / "deployment"
+    conf.mkdir()
+    (conf / "celeryconfig.py").write_text(
+        "from agentruns.celery import defaults\n"
+        "globals().update(defaults())\n"
+        "broker_transport_options = {**broker_transport_options,"
+        " 'visibility_timeout': 3, 'unacked_restore_interval': 1}\n"
+    )
+    group = BaseCluster(cluster.env, cluster.queue, tmp_path, cwd=conf)
+    try:
+        with psycopg.connect(db_url.replace("+psycopg", "")) as lock:
+            lock.execute("LOCK TABLE agentruns_runs IN ACCESS EXCLUSIVE MODE")
+            (first,) = group.workers("first")
+            dispatch.apply_async(("quick", trigger({"n": 1})), {"idempotency_key": "held"})
+            wait_for(lambda: "agentruns.dispatch[" in first.output(), "the worker to take it")
+            time.sleep(0.3)  # now storing the run, behind the lock
+            first.popen.kill()
+            first.popen.wait(timeout=10)
+
+        def held() -> list[Run]:
+            return [r for r in engine.list_runs() if r.idempotency_key == "held"]
+
+        assert held() == []
+        group.workers("second")
+        (run,) = wait_for(lambda: held() or None, "the dispatch to come back", 30)
+        done = wait_for(partial(completed, engine, run.id), "the run to complete")
+        assert done.idempotency_key == "held"
+        assert_replayed_once(engine, done, QUICK_SCRIPT)
+    finally:
+        group.stop(graceful=False)
+
+
 def test_redelivered_and_bad_messages_store_nothing_more(cluster: Cluster, engine: Engine) -> None:
     from agentruns.tasks import cancel, dispatch, execute, resume
 
@@ -463,8 +504,8 @@ def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:
         assert settings[key] == value, key
     assert settings["task_acks_late"] and settings["task_reject_on_worker_lost"]
     assert settings["worker_prefetch_multiplier"] == 1
-    visibility = settings["broker_transport_options"]["visibility_timeout"]
-    assert settings["task_time_limit"] < visibility
+    # A message a killed worker held comes back within minutes, not an hour.
+    assert settings["broker_transport_options"]["visibility_timeout"] <= 300
     assert settings["worker_send_task_events"] and settings["task_send_sent_event"]
     schedule = settings["beat_schedule"]
     assert {entry["task"] for entry in schedule.values()} == {"agentruns.tick", "agentruns.recover"}

@@ -14,6 +14,9 @@ from agentruns.models.base import Model
 from agentruns.runs import Budget, Run, TriggerEnvelope, WaitPoint
 from agentruns.tools import Tool, as_tool
 
+# The longest approval wait an agent may set: about a century, a date for any run.
+MAX_APPROVAL_TTL = timedelta(days=36_500)
+
 ToolLike = Tool | Callable[..., Any]
 Notifier = Callable[[Run, WaitPoint, str], None]
 
@@ -54,6 +57,12 @@ class Agent:
         self.budget: Budget = limits or Budget()
         if not isinstance(approval_ttl, timedelta):
             raise TypeError(f"approval_ttl must be a timedelta, not {approval_ttl!r}")
+        if not timedelta(0) < approval_ttl <= MAX_APPROVAL_TTL:
+            # timedelta.max ("never") would overflow the expiry date when a run pauses.
+            raise ValueError(
+                f"approval_ttl must be positive and at most {MAX_APPROVAL_TTL.days} days,"
+                f" not {approval_ttl}"
+            )
         self.approval_ttl = approval_ttl
         self.notifier = notifier
         self.concurrency_key = concurrency_key

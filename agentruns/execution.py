@@ -148,6 +148,8 @@ class Execution:
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
         """The transcript to continue, the start messages not stored yet, pending answers, state."""
         stored = self.start
+        if stored.damaged is not None:
+            raise InvalidCheckpointError(f"cannot read {stored.damaged}")
         messages = stored.messages
         unsaved: list[dict[str, Any]] = []
         if len(messages) < stored.base_messages:

@@ -42,10 +42,22 @@ def validate(messages: list[Message]) -> None:
         if not isinstance(message.get("content"), str | list):
             raise InvalidCheckpointError(f"message {i} has no content")
         if expected == "assistant":
+            _check_calls(message, i)
             calls = tool_calls(message)
             if calls and i + 1 < len(messages):
                 check_answered(calls, messages[i + 1], i + 1)
         expected = "assistant" if expected == "user" else "user"
+
+
+def _check_calls(message: Message, index: int) -> None:
+    content = message["content"]
+    for block in content if isinstance(content, list) else []:
+        if isinstance(block, dict) and block.get("type") == "tool_use":
+            fine = isinstance(block.get("id"), str) and isinstance(block.get("name"), str)
+            if not (fine and isinstance(block.get("input"), dict)):
+                raise InvalidCheckpointError(
+                    f"message {index} has a tool_use block without an id, name or input"
+                )
 
 
 def check_answered(calls: list[dict[str, Any]], answer: Message, index: int) -> None:

@@ -6,6 +6,7 @@ import itertools
 import json
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import psycopg
@@ -812,21 +813,40 @@ def test_a_run_whose_agent_is_no_longer_registered_fails_with_unknown_agent(
     assert failed.error is not None and failed.error.code == "unknown_agent"
 
 
-def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
-    make_engine: EngineFactory, db_url: str
-) -> None:
-    import psycopg
+def _without_input(body: dict[str, Any]) -> str:
+    del body["content"][0]["input"]
+    return json.dumps(body)
 
+
+@pytest.mark.parametrize(
+    ("store", "seq", "corrupt"),
+    [
+        ("postgres", 2, lambda body: '{"role": "assistant"}'),  # no content
+        ("postgres", 1, _without_input),  # a call the model could not be sent again
+        ("sqlite", 2, lambda body: "not JSON"),  # SQLite keeps any text
+    ],
+)
+def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
+    request: pytest.FixtureRequest, store: str, seq: int, corrupt: Callable[[Any], str]
+) -> None:
+    make_engine: EngineFactory = request.getfixturevalue(
+        "make_engine" if store == "postgres" else "make_sqlite_engine"
+    )
     model = ScriptedModel([tool_use("search_issues", {"query": "x"}), text("ok")], latency_s=0.2)
     engine = make_engine([Agent("a", model, tools=[search_issues])])
     run = engine.dispatch("a", trigger({}))
     wait_for(lambda: len(model.calls) == 2)
     engine.drain(timeout=5)
-    with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
+    where = "seq = :seq AND run_key = (SELECT key FROM agentruns_runs WHERE id = :id)"
+    with engine.store.engine.begin() as conn:
+        found = conn.execute(
+            sa.text(f"SELECT body FROM agentruns_messages WHERE {where}"),
+            {"seq": seq, "id": run.id},
+        ).scalar_one()
+        body = corrupt(json.loads(found) if isinstance(found, str) else found)
         conn.execute(
-            'UPDATE agentruns_messages SET body = \'{"role": "assistant"}\' '
-            "WHERE seq = 2 AND run_key = (SELECT key FROM agentruns_runs WHERE id = %s)",
-            (run.id,),
+            sa.text(f"UPDATE agentruns_messages SET body = :body WHERE {where}"),
+            {"body": body, "seq": seq, "id": run.id},
         )
     worker = make_engine([Agent("a", model, tools=[search_issues])])
     assert worker.recover() == [run.id]
@@ -834,6 +854,7 @@ def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
     failed = worker.get_run(run.id)
     assert failed.status is RunStatus.FAILED
     assert failed.error is not None and failed.error.code == "invalid_checkpoint"
+    assert worker.recover() == []  # failed once, not claimed again and again
     healthy = worker.dispatch("a", trigger({"n": 2}))
     assert worker.idle(10)
     assert worker.get_run(healthy.id).status is RunStatus.COMPLETED

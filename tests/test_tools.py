@@ -122,6 +122,10 @@ def test_agent_arguments_of_the_wrong_type_are_refused_when_the_agent_is_made() 
         Agent("a", model, budget="3 steps")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="approval_ttl"):
         Agent("a", model, approval_ttl=3600)  # type: ignore[arg-type]
+    # "Never expires" would overflow the expiry date only when a run pauses.
+    for ttl in (timedelta.max, timedelta(0), timedelta(seconds=-1)):
+        with pytest.raises(ValueError, match="approval_ttl must be positive"):
+            Agent("a", model, approval_ttl=ttl)
     assert Agent("a", model, approval_ttl=timedelta(minutes=5)).approval_ttl.seconds == 300
 
 

@@ -130,6 +130,8 @@ class Transcript:
     pending: dict[str, Any] | None
     # How many of ``messages`` come from the run this one continues (see history.py).
     base_messages: int = 0
+    # What could not be read back, if anything: the run's checkpoint is corrupt.
+    damaged: str | None = None
 
 
 @dataclass(frozen=True)

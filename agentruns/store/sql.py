@@ -200,7 +200,9 @@ class SqlStore:
         return self._transcript_of(row, history.messages(conn, row["key"], row["message_count"]))
 
     @staticmethod
-    def _transcript_of(row: RowMapping | dict[str, Any], messages: list[Any]) -> Transcript:
+    def _transcript_of(
+        row: RowMapping | dict[str, Any], messages: list[Any], damaged: str | None = None
+    ) -> Transcript:
         return Transcript(
             messages=messages,
             checkpoint_messages=row["checkpoint_messages"] or 0,
@@ -208,6 +210,7 @@ class SqlStore:
             state=row["state"],
             pending=row["pending"],
             base_messages=row["base_count"] or 0,
+            damaged=damaged,
         )
 
     def pending(self, run_id: str) -> dict[str, Any] | None:
@@ -261,7 +264,7 @@ class SqlStore:
         row = self.writes.claim(run_id, owner, expires_at, utcnow())
         if row is None:
             return None
-        start = self._transcript_of(row, row["messages"] or [])
+        start = self._transcript_of(row, row["messages"] or [], row.get("damaged"))
         return Claimed(run=run_from_row(row), epoch=row["epoch"], transcript=start)
 
     def renew_claim(self, run_id: str, epoch: int, expires_at: datetime) -> bool | None:

@@ -51,7 +51,12 @@ class Transactions:
                 row = conn.execute(_claim(run_id, owner, expires_at, now)).mappings().first()
                 if row is None:
                     return None
-                messages = history.messages(conn, row["key"], row["message_count"])
+                try:
+                    messages = history.messages(conn, row["key"], row["message_count"])
+                except ValueError as exc:  # a stored message that is not JSON
+                    # The claim stands: the execution fails the run invalid_checkpoint,
+                    # instead of every recovery claiming it and failing again.
+                    return {**row, "messages": [], "damaged": f"a stored message: {exc}"}
         except IntegrityError:
             return None  # another run of the same concurrency key is running
         return {**row, "messages": list(messages)}

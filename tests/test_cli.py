@@ -222,11 +222,12 @@ def test_tick_denies_an_expired_approval_and_the_run_goes_on(cli: Cli) -> None:
         "triage",
         triage.scripted_model(),
         tools=[triage.search_issues, triage.label_issue, triage.post_comment],
-        approval_ttl=timedelta(seconds=-1),
+        approval_ttl=timedelta(seconds=0.5),
     )
     engine = cli.engine(hasty)
     run = engine.dispatch("triage", {"source": "t", "trigger": "t", "payload": REPORT})
     assert engine.idle(10)
+    time.sleep(1.1)
     token = engine.approval_token(run.id)
     engine.close()
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 
+import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
@@ -14,6 +15,8 @@ from sqlalchemy.engine import Connection
 from agentruns.store.connect import make_engine
 
 _SCRIPTS = str(Path(__file__).parent / "migrations")
+# The advisory lock migrations take on Postgres (any constant of agentruns' own).
+_LOCK = 0x61676E7472756E73  # "agntruns"
 
 
 def _config() -> Config:
@@ -36,6 +39,10 @@ def migrate(url: str) -> str | None:
     engine = make_engine(url)
     try:
         with engine.begin() as conn:
+            if conn.dialect.name == "postgresql":
+                # One migration at a time (several deploys may run it at once): the
+                # others wait for this transaction, then find nothing left to do.
+                conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK})
             config = _config()
             config.attributes["connection"] = conn
             command.upgrade(config, "head")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import uuid
 from datetime import timedelta
@@ -13,7 +15,7 @@ import sqlalchemy as sa
 
 from agentruns import Agent, Engine, LeaseLostError, RunStatus, SqlStore, TriggerEnvelope
 from agentruns.errors import NotMigratedError
-from agentruns.migrate import migrate
+from agentruns.migrate import head_revision, migrate
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
@@ -68,6 +70,24 @@ def test_an_engine_refuses_an_unmigrated_database_naming_agentruns_migrate(
         store = SqlStore(url)
         assert store.migrate() == migrate(url)  # idempotent
         Engine(store, agents=[agent], secret="s").close()
+
+
+def test_migrations_run_at_once_by_several_deploys_all_succeed(empty_pg: str) -> None:
+    # Each process upgrades from nothing at the same moment: without a lock, all
+    # but one failed creating the same tables (or adding the same columns).
+    code = "import sys; from agentruns.migrate import migrate; migrate(sys.argv[1])"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code, empty_pg],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    outputs = [(p.wait(timeout=60), p.stdout.read() if p.stdout else "") for p in procs]
+    assert [rc for rc, _ in outputs] == [0, 0, 0], outputs
+    assert migrate(empty_pg) == head_revision()
 
 
 def test_the_migrations_build_the_schema_the_store_uses(empty_pg: str, tmp_path: object) -> None:

@@ -470,6 +470,10 @@ class Engine:
             claims, run.id, run.waiting
         ):
             raise InvalidTokenError("stale", "the run is not waiting on this token")
+        if run.agent not in self._agents:
+            # As dispatch: an engine that could not run the answered run refuses, and
+            # the token stays good for one that can.
+            raise UnknownAgentError(run.agent)
         return self._answer(run, approved=approved, reason=reason)
 
     def _answer(self, run: Run, *, approved: bool, reason: str | None) -> Run:

@@ -17,6 +17,7 @@ from agentruns import (
     Run,
     RunStatus,
     ToolContext,
+    UnknownAgentError,
     WaitPoint,
     tool,
 )
@@ -230,6 +231,23 @@ def test_tick_goes_on_past_a_run_it_cannot_answer(
     statuses = [engine.get_run(r.id).status for r in runs]
     assert statuses == [RunStatus.WAITING, RunStatus.COMPLETED]
     assert [str(e) for e in errors] == ["this one is broken"]
+
+
+def test_an_engine_without_the_runs_agent_refuses_to_answer_and_changes_nothing(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    agent, _ = comment_agent(calls)
+    engine = make_engine([agent])
+    other = make_engine([Agent("someone-else", ScriptedModel([text("hi")]))])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    token = engine.approval_token(run.id)
+    with pytest.raises(UnknownAgentError, match="triage"):
+        other.resume(token, approved=True)
+    assert other.get_run(run.id).status is RunStatus.WAITING
+    engine.resume(token, approved=True)  # the token is still good where the agent is
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    assert calls.names() == ["post_comment"]
 
 
 def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(

@@ -174,6 +174,20 @@ def test_a_thread_stored_before_0002_is_continued_after_it(empty_pg: str, tmp_pa
             agentruns.close()
 
 
+def test_postgres_connections_give_up_on_a_server_gone_silent(db_url: str) -> None:
+    # A host that dies or a partition closes nothing: without these, a statement
+    # waited for the kernel's TCP timeout (about 15 minutes), its run and a drain
+    # with it. What the URL sets itself wins.
+    for url, connect_timeout in ((db_url, "10"), (f"{db_url}?connect_timeout=3", "3")):
+        store = SqlStore(url)
+        with store.engine.connect() as conn:
+            params = conn.connection.driver_connection.info.get_parameters()  # type: ignore[union-attr]
+        store.close()
+        assert params["connect_timeout"] == connect_timeout
+        assert params["tcp_user_timeout"] == "30000"
+        assert (params["keepalives"], params["keepalives_idle"]) == ("1", "10")
+
+
 def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url: str) -> None:
     store = SqlStore(db_url)
     run, _ = store.create_run(new_run())

@@ -66,10 +66,30 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     # A returned connection is rolled back only if it is inside a transaction (see
     # _rollback_if_in_transaction), instead of on every return.
     kwargs.setdefault("pool_reset_on_return", None)
+    # A database that vanishes without closing the connection (its host dies, the
+    # network partitions) must fail a statement in seconds, not in the kernel's
+    # quarter of an hour: the execution then aborts and recover() finishes the run.
+    # What the URL or the caller sets wins.
+    given = sa.make_url(url).query
+    connect_args = {k: v for k, v in _TCP.items() if k not in given}
+    kwargs["connect_args"] = {**connect_args, **kwargs.get("connect_args", {})}
     engine = sa.create_engine(url, json_serializer=dumps, **kwargs)
     sa.event.listen(engine, "connect", _speak_utf8)
     sa.event.listen(engine, "reset", _rollback_if_in_transaction)
     return engine
+
+
+# libpq's connection options for that: a connect that hangs gives up after 10 s,
+# a request the server does not acknowledge within 30 s fails, and an idle wait for
+# a reply probes the server after 10 s, every 5 s, three times.
+_TCP = {
+    "connect_timeout": 10,
+    "keepalives": 1,
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+    "tcp_user_timeout": 30_000,
+}
 
 
 def _speak_utf8(dbapi_conn: Any, _record: Any) -> None:

@@ -122,6 +122,19 @@ def make_sqlite_engine(sqlite_url: str, errors: Errors) -> Iterator[EngineFactor
     yield from _engines(sqlite_url, errors, leases=LocalLeases)
 
 
+def engines_on(request: pytest.FixtureRequest, store: str) -> EngineFactory:
+    """``make_engine`` for ``store="postgres"``, ``make_sqlite_engine`` for "sqlite"."""
+    name = "make_engine" if store == "postgres" else "make_sqlite_engine"
+    factory: EngineFactory = request.getfixturevalue(name)
+    return factory
+
+
+@pytest.fixture(params=["postgres", "sqlite"])
+def make_any_engine(request: pytest.FixtureRequest) -> EngineFactory:
+    """The test runs twice: with engines on Postgres and Redis, then on SQLite."""
+    return engines_on(request, request.param)
+
+
 T = TypeVar("T")
 
 

@@ -33,7 +33,15 @@ from agentruns import (
 )
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
-from tests.conftest import PG_ADMIN, REDIS_URL, EngineFactory, Errors, trigger, wait_for
+from tests.conftest import (
+    PG_ADMIN,
+    REDIS_URL,
+    EngineFactory,
+    Errors,
+    engines_on,
+    trigger,
+    wait_for,
+)
 
 
 @tool
@@ -436,15 +444,11 @@ def _own_messages(engine: Engine) -> dict[str, int]:
         return {run_id: n for run_id, n in rows}
 
 
-@pytest.mark.parametrize("store", ["postgres", "sqlite"])
 def test_a_threads_runs_continue_each_other_without_copying_its_history(
-    store: str, request: pytest.FixtureRequest
+    make_any_engine: EngineFactory,
 ) -> None:
-    make_engine: EngineFactory = request.getfixturevalue(
-        "make_engine" if store == "postgres" else "make_sqlite_engine"
-    )
     model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"))
-    engine = make_engine([Agent("a", model)])
+    engine = make_any_engine([Agent("a", model)])
     runs = []
     for q in range(6):
         runs.append(engine.dispatch("a", trigger({"q": q}), thread="chat"))
@@ -661,13 +665,9 @@ def test_drain_then_recover_finishes_the_run_without_losing_or_repeating_a_step(
     assert second.recover() == []
 
 
-@pytest.mark.parametrize("store", ["postgres", "sqlite"])
 def test_a_drained_thread_run_goes_first_again_and_its_thread_keeps_its_order(
-    store: str, request: pytest.FixtureRequest
+    make_any_engine: EngineFactory,
 ) -> None:
-    make_engine: EngineFactory = request.getfixturevalue(
-        "make_engine" if store == "postgres" else "make_sqlite_engine"
-    )
 
     # r1 is drained (a deploy) while r2 of its thread is queued behind it: r2 must
     # not overtake it, or r2 would start from a history without r1's exchange and
@@ -684,7 +684,7 @@ def test_a_drained_thread_run_goes_first_again_and_its_thread_keeps_its_order(
 
     model = ScriptedModel(script, latency_s=0.3)
     # This engine executes r1 only: r2's own execution comes later, elsewhere.
-    first = make_engine([Agent("a", model, tools=[search_issues])], scheduler=ManualScheduler())
+    first = make_any_engine([Agent("a", model, tools=[search_issues])], scheduler=ManualScheduler())
     r1 = first.dispatch("a", trigger({"n": 1}), thread="chat")
     threading.Thread(target=first.execute, args=(r1.id,), daemon=True).start()
     wait_for(lambda: len(model.calls) == 2)  # r1's second model call in flight
@@ -692,7 +692,7 @@ def test_a_drained_thread_run_goes_first_again_and_its_thread_keeps_its_order(
     first.drain(timeout=5)
     assert first.get_run(r1.id).status is RunStatus.INTERRUPTED
 
-    second = make_engine([Agent("a", model, tools=[search_issues])])
+    second = make_any_engine([Agent("a", model, tools=[search_issues])])
     assert second.execute(r2.id).status is RunStatus.QUEUED  # r1 goes first
     assert second.recover() == [r1.id]
     assert second.idle(10)
@@ -829,9 +829,7 @@ def _without_input(body: dict[str, Any]) -> str:
 def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
     request: pytest.FixtureRequest, store: str, seq: int, corrupt: Callable[[Any], str]
 ) -> None:
-    make_engine: EngineFactory = request.getfixturevalue(
-        "make_engine" if store == "postgres" else "make_sqlite_engine"
-    )
+    make_engine = engines_on(request, store)
     model = ScriptedModel([tool_use("search_issues", {"query": "x"}), text("ok")], latency_s=0.2)
     engine = make_engine([Agent("a", model, tools=[search_issues])])
     run = engine.dispatch("a", trigger({}))

@@ -288,6 +288,7 @@ class Execution:
         """Run the step's calls in the model's order; pause on the first one awaiting
         approval, before any call after it runs."""
         tool_steps: list[NewStep] = []
+        awaiting: dict[str, Any] | None = None
         for call in calls:
             if self.reason is Abort.LEASE_LOST:
                 raise LeaseLostError(self.run.id)
@@ -295,13 +296,15 @@ class Execution:
             if entry is not None and entry["status"] == "done":
                 continue
             if entry is not None and entry["status"] == "needs_approval":
-                break  # still unanswered
+                awaiting = call  # still unanswered
+                break
             approved = entry is not None and entry["status"] == "approved"
             again = approved and bool(entry and entry.get("unknown"))
             started = utcnow()
             outcome = self._tool_call(call, approved, again, pending, tool_steps)
             if outcome is None:
-                break  # now awaiting approval
+                awaiting = call  # now awaiting approval
+                break
             pending[call["id"]] = {
                 "status": "done",
                 "content": outcome.content,
@@ -318,9 +321,8 @@ class Execution:
                     finished_at=utcnow(),
                 )
             )
-        awaiting = [c for c in calls if pending.get(c["id"], {}).get("status") == "needs_approval"]
-        if awaiting:
-            self._pause(awaiting[0], pending, tool_steps, index, finish_reason)
+        if awaiting is not None:
+            self._pause(awaiting, pending, tool_steps, index, finish_reason)
         results = [
             transcript.tool_result(
                 c["id"], pending[c["id"]]["content"], pending[c["id"]]["is_error"]

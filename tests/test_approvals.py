@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from agentruns import (
     Agent,
@@ -209,6 +210,27 @@ def test_an_approval_whose_input_holds_a_nul_can_be_answered_and_expired(
     assert engine.idle(10)
     assert [engine.get_run(r.id).status for r in runs] == [RunStatus.COMPLETED] * 2
     assert len(calls) == 1 and errors == []
+
+
+def test_tick_goes_on_past_a_waiting_run_it_cannot_read(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    agent, _ = comment_agent(calls, approval_ttl=timedelta(seconds=0.5))
+    engine = make_engine([agent])
+    damaged, fine = [
+        wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id) for _ in "ab"
+    ]
+    with engine.store.engine.begin() as conn:  # damaged outside agentruns
+        conn.execute(
+            sa.text(
+                'UPDATE agentruns_runs SET waiting = \'{"not": "a wait point"}\' WHERE id = :id'
+            ),
+            {"id": damaged.id},
+        )
+    time.sleep(1.1)
+    engine.tick()
+    assert engine.idle(10)
+    assert engine.get_run(fine.id).status is RunStatus.COMPLETED
 
 
 def test_tick_goes_on_past_a_run_it_cannot_answer(

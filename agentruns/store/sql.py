@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import datetime
 from typing import Any
 
@@ -34,6 +35,8 @@ from agentruns.store.connect import READ_ONLY, make_engine
 from agentruns.store.postgres import Statements
 from agentruns.store.rows import aware, new_steps, run_from_row, run_updated, step_from_row
 from agentruns.store.transactions import Transactions
+
+log = logging.getLogger("agentruns")
 
 R = schema.runs
 S = schema.steps
@@ -444,4 +447,11 @@ class SqlStore:
             rows = conn.execute(
                 sa.select(R).where(R.c.status == RunStatus.WAITING.value).order_by(R.c.created_at)
             ).mappings()
-            return [run_from_row(r) for r in rows]
+            runs = []
+            for row in rows:
+                try:
+                    runs.append(run_from_row(row))
+                except ValueError as exc:  # pydantic's ValidationError is one
+                    # A row damaged outside agentruns: tick goes on with the others.
+                    log.warning("run %s cannot be read: %s", row["id"], exc)
+            return runs

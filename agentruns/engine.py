@@ -305,8 +305,22 @@ class Engine:
             raise
         if claimed is None:
             self._release_lease(run_id)
-            return self.store.get_run(run_id)
+            run = self.store.get_run(run_id)
+            if run.status is RunStatus.QUEUED and run.concurrency_key is not None:
+                self._nudge_if_claimable(run_id)
+            return run
         return self._run_claimed(claimed)
+
+    def _nudge_if_claimable(self, run_id: str) -> None:
+        """A keyed run's claim judged its key as it stood when the claim began: an
+        older run that finished meanwhile still held it back, and the execution its
+        finish scheduled found this lease held and did nothing. Looked at again now,
+        with the lease let go: if the run can be claimed, it is scheduled again."""
+        try:
+            if self.store.claimable(run_id):
+                self.scheduler.schedule(run_id)
+        except Exception as exc:
+            self.report(exc)
 
     def _run_claimed(self, claimed: Claimed) -> Run:
         """Execute a run this engine claimed and holds the lease of; then let both go."""

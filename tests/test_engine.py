@@ -7,6 +7,7 @@ import json
 import threading
 import time
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 import psycopg
@@ -32,6 +33,7 @@ from agentruns import (
     tool,
 )
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.runs import Run, utcnow
 from agentruns.schedulers import ManualScheduler
 from tests.conftest import (
     PG_ADMIN,
@@ -940,6 +942,39 @@ def test_dispatch_here_stores_the_run_claimed_and_executes_it_at_once(
     again = engine.dispatch_here("triage", trigger({}), idempotency_key="here-1")
     assert again.id == run.id and again.status is RunStatus.COMPLETED
     assert len(model.calls) == 2
+
+
+def test_a_keyed_run_whose_turn_came_during_its_failed_claim_is_scheduled_again(
+    make_engine: EngineFactory, db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # B's claim sees older run A running; A completes, and the execution A's finish
+    # schedules for B finds B's lease still held by that claim and does nothing.
+    # Nothing else would schedule B: the failed claim must look again.
+    scheduler = ManualScheduler()
+    engine = make_engine([Agent("a", ScriptedModel([text("ok")]))], scheduler=scheduler)
+    a = engine.dispatch("a", trigger({}), concurrency_key="k")
+    b = engine.dispatch("a", trigger({}), concurrency_key="k")
+    assert engine.store.claim(a.id, "elsewhere", utcnow() + timedelta(seconds=30))
+    claim = engine.store.claim
+    nudged: list[Run] = []
+
+    def claim_as_a_finishes(run_id: str, *args: Any) -> Any:
+        claimed = claim(run_id, *args)
+        if run_id == b.id and not nudged:
+            assert claimed is None  # A is running
+            with psycopg.connect(db_url.replace("+psycopg", "")) as conn:
+                conn.execute(
+                    "UPDATE agentruns_runs SET status = 'completed' WHERE id = %s", (a.id,)
+                )
+            nudged.append(engine.execute(b.id))  # A's finish nudges B: its lease is held
+        return claimed
+
+    monkeypatch.setattr(engine.store, "claim", claim_as_a_finishes)
+    scheduler.scheduled.clear()
+    assert engine.execute(b.id).status is RunStatus.QUEUED
+    assert nudged[0].status is RunStatus.QUEUED
+    assert scheduler.scheduled == [b.id]  # looked again, and scheduled it
+    assert engine.execute(b.id).status is RunStatus.COMPLETED
 
 
 def test_dispatch_here_claims_a_keyed_run_in_turn(make_engine: EngineFactory) -> None:

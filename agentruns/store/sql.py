@@ -34,7 +34,7 @@ from agentruns.store.base import (
 from agentruns.store.connect import READ_ONLY, make_engine
 from agentruns.store.postgres import Statements
 from agentruns.store.rows import aware, new_steps, run_from_row, run_updated, step_from_row
-from agentruns.store.transactions import Transactions
+from agentruns.store.transactions import Transactions, claimable
 
 log = logging.getLogger("agentruns")
 
@@ -269,6 +269,12 @@ class SqlStore:
             return None
         start = self._transcript_of(row, row["messages"] or [], row.get("damaged"))
         return Claimed(run=run_from_row(row), epoch=row["epoch"], transcript=start)
+
+    def claimable(self, run_id: str) -> bool:
+        """Whether a claim of the run would succeed now: queued, no run of its key
+        running, and none older of its key queued or interrupted (see claim.sql)."""
+        with self._reads.connect() as conn:
+            return conn.execute(claimable(run_id)).first() is not None
 
     def renew_claim(self, run_id: str, epoch: int, expires_at: datetime) -> bool | None:
         """Extend the claim; None if this epoch lost the run, else its ``cancel_requested``."""

@@ -115,8 +115,8 @@ class Transactions:
 _AHEAD = (RunStatus.QUEUED.value, RunStatus.RUNNING.value, RunStatus.INTERRUPTED.value)
 
 
-def _claim(run_id: str, owner: str, expires_at: datetime, now: datetime) -> Any:
-    """queued -> running with a new epoch, oldest first per concurrency key."""
+def _in_turn() -> Any:
+    """The run is first in its concurrency key's line: no older run ahead of it."""
     older = R.alias("older")
     no_older = ~sa.exists(
         sa.select(older.c.id).where(
@@ -128,10 +128,33 @@ def _claim(run_id: str, owner: str, expires_at: datetime, now: datetime) -> Any:
             ),
         )
     )
+    return sa.or_(R.c.concurrency_key.is_(None), no_older)
+
+
+def claimable(run_id: str) -> Any:
+    """A query that finds the run if a claim of it would succeed now: queued, in
+    turn, and no run of its key running (which the unique index would refuse)."""
+    running = R.alias("running")
+    key_free = ~sa.exists(
+        sa.select(running.c.id).where(
+            running.c.concurrency_key == R.c.concurrency_key,
+            running.c.status == RunStatus.RUNNING.value,
+        )
+    )
+    return sa.select(R.c.id).where(
+        R.c.id == run_id,
+        R.c.status == RunStatus.QUEUED.value,
+        _in_turn(),
+        sa.or_(R.c.concurrency_key.is_(None), key_free),
+    )
+
+
+def _claim(run_id: str, owner: str, expires_at: datetime, now: datetime) -> Any:
+    """queued -> running with a new epoch, oldest first per concurrency key."""
     return (
         R.update()
         .where(R.c.id == run_id, R.c.status == RunStatus.QUEUED.value)
-        .where(sa.or_(R.c.concurrency_key.is_(None), no_older))
+        .where(_in_turn())
         .values(
             status=RunStatus.RUNNING.value,
             epoch=R.c.epoch + 1,

@@ -43,6 +43,17 @@ def sweeps_queue(queue: str) -> str:
     return f"{queue}.sweeps"
 
 
+def _queues(queue: str) -> dict[str, Any]:
+    """The queues workers consume and the sweeps' routes, for the runs' ``queue``."""
+    return {
+        "task_queues": [_queue(queue), _queue(sweeps_queue(queue))],
+        "task_routes": {
+            "agentruns.tick": {"queue": sweeps_queue(queue)},
+            "agentruns.recover": {"queue": sweeps_queue(queue)},
+        },
+    }
+
+
 def _queue(name: str) -> Any:
     """A queue as Celery declares its default one: a direct exchange and routing key
     of the queue's own name."""
@@ -99,11 +110,7 @@ def defaults() -> dict[str, Any]:
         # behind a backlog of runs in the main queue they would wait for all of it
         # (and expire unrun), leaving drained and crashed runs unrecovered meanwhile.
         # Now a sweep waits only for the next free pool slot.
-        "task_queues": [_queue(s.queue), _queue(sweeps_queue(s.queue))],
-        "task_routes": {
-            "agentruns.tick": {"queue": sweeps_queue(s.queue)},
-            "agentruns.recover": {"queue": sweeps_queue(s.queue)},
-        },
+        **_queues(s.queue),
         "task_serializer": "json",
         "accept_content": ["json"],
         # Flower (and `celery events`) see every task from the moment it is sent.
@@ -143,7 +150,12 @@ if _has_celeryconfig():
 
 @app.on_after_configure.connect  # type: ignore[untyped-decorator]
 def _configured(sender: Celery, **_: Any) -> None:
-    _apply_celeryconfig(sender.conf)
+    conf = sender.conf
+    overridden = _apply_celeryconfig(conf)
+    if "task_default_queue" in overridden and not {"task_queues", "task_routes"} & overridden:
+        # The queues follow the deployment's default queue, or workers would consume
+        # AGENTRUNS_QUEUE's while every message went to that one.
+        conf.update(_queues(conf.task_default_queue))
     _pick_transport(sender)
 
 
@@ -157,17 +169,23 @@ def _pick_transport(sender: Celery, **_: Any) -> None:
         conf.broker_transport = transport_for(conf.broker_url)
 
 
-def _apply_celeryconfig(conf: Any) -> None:
-    """Give the config module's settings the last word. Celery ranks defaults added
-    with ``add_defaults`` above its config module, so without this the module could
-    not override any setting of :func:`defaults` (only add others)."""
+def _apply_celeryconfig(conf: Any) -> set[str]:
+    """Give the config module's settings the last word, and name the ones it changed.
+    Celery ranks defaults added with ``add_defaults`` above its config module, so
+    without this the module could not override any setting of :func:`defaults`
+    (only add others)."""
     if not _has_celeryconfig():
-        return
+        return set()
     with cwd_in_path():
         module = importlib.import_module("celeryconfig")
+    ours = defaults()
+    changed = set()
     for name, value in vars(module).items():
         if name in conf and not name.startswith("_"):  # Celery's settings, not helpers
             conf[name] = value
+            if name not in ours or ours[name] != value:
+                changed.add(name)
+    return changed
 
 
 # -- the process's engine -------------------------------------------------------------

@@ -93,7 +93,10 @@ CONF_PROBE = """
 import json
 from agentruns.celery import app
 names = ["worker_prefetch_multiplier", "task_time_limit", "broker_url", "task_acks_late"]
-print(json.dumps({n: app.conf[n] for n in names}))
+conf = {n: app.conf[n] for n in names}
+conf["queues"] = [q.name for q in app.conf.task_queues]
+conf["recover_queue"] = app.conf.task_routes["agentruns.recover"]["queue"]
+print(json.dumps(conf))
 """
 
 
@@ -106,6 +109,7 @@ def test_a_celeryconfig_overrides_agentruns_defaults_and_keeps_the_rest(
     lines = ['broker_url = "redis://127.0.0.1:6379/7"']
     if override:
         lines += ["worker_prefetch_multiplier = 4", "task_time_limit = 123"]
+        lines += ['task_default_queue = "custom"']
     (tmp_path / "celeryconfig.py").write_text("\n".join(lines) + "\n")
     env = {**os.environ, "AGENTRUNS_DATABASE_URL": "sqlite:///x.db", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
@@ -123,6 +127,9 @@ def test_a_celeryconfig_overrides_agentruns_defaults_and_keeps_the_rest(
     assert conf["task_acks_late"] is True  # agentruns' at-least-once settings stay
     if override:
         assert (conf["worker_prefetch_multiplier"], conf["task_time_limit"]) == (4, 123)
+        # Workers consume the deployment's queue, and its sweeps queue, not ours.
+        assert conf["queues"] == ["custom", "custom.sweeps"]
+        assert conf["recover_queue"] == "custom.sweeps"
     else:
         assert conf["worker_prefetch_multiplier"] == ours["worker_prefetch_multiplier"]
         assert conf["task_time_limit"] == ours["task_time_limit"]

@@ -72,12 +72,12 @@ def defaults() -> dict[str, Any]:
     """
     s = get_settings()
     # Redis redelivers a message nobody acked within the visibility timeout. That
-    # is how a message a killed worker held comes back: a dispatch it had not
-    # stored yet would otherwise be gone until then (a stored run is recovered
-    # sooner, by recover()). So it is short, five minutes, and looked for every
-    # 10 s; a run longer than that has its message redelivered meanwhile, which
-    # the claim makes a no-op.
-    visibility_timeout = 300
+    # is also how a message a killed worker held comes back (a dispatch it had not
+    # stored yet; a stored run is recovered sooner, by recover()). A task should
+    # not outlive it, so the hard time limit sits below it (SPEC); a deployment
+    # whose runs are short can lower both in celeryconfig.py. Workers look for
+    # such messages every 10 s.
+    visibility_timeout = 3600
     return {
         # The broker is the Redis that holds the leases unless AGENTRUNS_BROKER_URL says otherwise.
         "broker_url": s.effective_broker_url or "redis://localhost:6379/0",
@@ -92,7 +92,7 @@ def defaults() -> dict[str, Any]:
         # enforce limits): it kills the process, the lease expires and ``recover``
         # resumes the run. No soft limit: it would raise inside the engine at an
         # arbitrary point and fail the run; ``Budget.timeout_s`` settles cleanly.
-        "task_time_limit": 3000,
+        "task_time_limit": visibility_timeout - 600,
         # Ack after the task returns, and give a message back if the worker process
         # dies mid-task: a crash becomes a redelivery (a nudge), never a lost run.
         "task_acks_late": True,
@@ -151,12 +151,27 @@ if _has_celeryconfig():
 @app.on_after_configure.connect  # type: ignore[untyped-decorator]
 def _configured(sender: Celery, **_: Any) -> None:
     conf = sender.conf
-    overridden = _apply_celeryconfig(conf)
-    if "task_default_queue" in overridden and not {"task_queues", "task_routes"} & overridden:
-        # The queues follow the deployment's default queue, or workers would consume
-        # AGENTRUNS_QUEUE's while every message went to that one.
-        conf.update(_queues(conf.task_default_queue))
+    _follow_default_queue(conf, _apply_celeryconfig(conf))
     _pick_transport(sender)
+
+
+def _follow_default_queue(conf: Any, module_set: set[str]) -> None:
+    """Workers consume the queue producers send to, and the sweeps are routed to a
+    queue workers consume, whatever the deployment's celeryconfig set (new-style or
+    old-style names): else every message would wait in a queue nobody reads."""
+    queue = conf.task_default_queue
+    consumed = {q.name for q in conf.task_queues or ()}
+    if queue not in consumed and not {"task_queues", "CELERY_QUEUES"} & module_set:
+        conf.task_queues = _queues(queue)["task_queues"]
+        consumed = {queue, sweeps_queue(queue)}
+    routes = conf.task_routes
+    if routes is None or isinstance(routes, dict):
+        sweeps = sweeps_queue(queue) if sweeps_queue(queue) in consumed else queue
+        fixed = dict(routes or {})
+        for task in ("agentruns.tick", "agentruns.recover"):
+            if (fixed.get(task) or {}).get("queue") not in consumed:
+                fixed[task] = {"queue": sweeps}
+        conf.task_routes = fixed
 
 
 def _pick_transport(sender: Celery, **_: Any) -> None:
@@ -170,7 +185,7 @@ def _pick_transport(sender: Celery, **_: Any) -> None:
 
 
 def _apply_celeryconfig(conf: Any) -> set[str]:
-    """Give the config module's settings the last word, and name the ones it changed.
+    """Give the config module's settings the last word, and name the ones it set.
     Celery ranks defaults added with ``add_defaults`` above its config module, so
     without this the module could not override any setting of :func:`defaults`
     (only add others)."""

@@ -100,16 +100,8 @@ print(json.dumps(conf))
 """
 
 
-@pytest.mark.parametrize("override", [True, False])
-def test_a_celeryconfig_overrides_agentruns_defaults_and_keeps_the_rest(
-    tmp_path: Path, override: bool
-) -> None:
-    # Celery ranks add_defaults() above the config module: without care, a
-    # celeryconfig.py could not override one of agentruns' settings.
-    lines = ['broker_url = "redis://127.0.0.1:6379/7"']
-    if override:
-        lines += ["worker_prefetch_multiplier = 4", "task_time_limit = 123"]
-        lines += ['task_default_queue = "custom"']
+def _probe_celeryconfig(tmp_path: Path, lines: list[str]) -> dict[str, Any]:
+    """The Celery configuration a process gets with this celeryconfig.py beside it."""
     (tmp_path / "celeryconfig.py").write_text("\n".join(lines) + "\n")
     env = {**os.environ, "AGENTRUNS_DATABASE_URL": "sqlite:///x.db", "PYTHONPATH": str(ROOT)}
     out = subprocess.run(
@@ -121,7 +113,21 @@ def test_a_celeryconfig_overrides_agentruns_defaults_and_keeps_the_rest(
         timeout=60,
         check=True,
     ).stdout
-    conf = json.loads(out.strip().splitlines()[-1])
+    conf: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    return conf
+
+
+@pytest.mark.parametrize("override", [True, False])
+def test_a_celeryconfig_overrides_agentruns_defaults_and_keeps_the_rest(
+    tmp_path: Path, override: bool
+) -> None:
+    # Celery ranks add_defaults() above the config module: without care, a
+    # celeryconfig.py could not override one of agentruns' settings.
+    lines = ['broker_url = "redis://127.0.0.1:6379/7"']
+    if override:
+        lines += ["worker_prefetch_multiplier = 4", "task_time_limit = 123"]
+        lines += ['task_default_queue = "custom"']
+    conf = _probe_celeryconfig(tmp_path, lines)
     ours = defaults()
     assert conf["broker_url"] == "redis://127.0.0.1:6379/7"
     assert conf["task_acks_late"] is True  # agentruns' at-least-once settings stay
@@ -133,3 +139,19 @@ def test_a_celeryconfig_overrides_agentruns_defaults_and_keeps_the_rest(
     else:
         assert conf["worker_prefetch_multiplier"] == ours["worker_prefetch_multiplier"]
         assert conf["task_time_limit"] == ours["task_time_limit"]
+
+
+@pytest.mark.parametrize(
+    "lines",
+    [
+        # The deployment routes its own tasks too.
+        ['task_default_queue = "custom"', 'task_routes = {"myapp.*": {"queue": "other"}}'],
+        ['CELERY_DEFAULT_QUEUE = "custom"'],  # Celery's old-style name
+    ],
+)
+def test_workers_consume_the_queue_a_celeryconfig_sends_to(
+    tmp_path: Path, lines: list[str]
+) -> None:
+    conf = _probe_celeryconfig(tmp_path, lines)
+    assert conf["queues"] == ["custom", "custom.sweeps"]
+    assert conf["recover_queue"] == "custom.sweeps"

@@ -185,10 +185,11 @@ def _pick_transport(sender: Celery, **_: Any) -> None:
 
 
 def _apply_celeryconfig(conf: Any) -> set[str]:
-    """Give the config module's settings the last word, and name the ones it set.
-    Celery ranks defaults added with ``add_defaults`` above its config module, so
-    without this the module could not override any setting of :func:`defaults`
-    (only add others)."""
+    """Give the config module's settings the last word; return the names of those
+    that differ from :func:`defaults` (a module that starts from them, as the
+    repository's does, sets every one of ours). Celery ranks defaults added with
+    ``add_defaults`` above its config module, so without this the module could not
+    override any setting of :func:`defaults` (only add others)."""
     if not _has_celeryconfig():
         return set()
     with cwd_in_path():

@@ -17,7 +17,7 @@ from sqlalchemy.engine import Connection
 # Each run of the chain gives its messages from its own first one (lo) up to
 # where the run after it begins (hi). UNION, not UNION ALL: a cycle in damaged
 # data repeats a row and so ends the recursion instead of looping.
-CHAIN = """
+_CHAIN_SQL = """
 WITH RECURSIVE chain(run_key, base_key, lo, hi) AS (
     SELECT r.key, r.base_key, COALESCE(r.base_count, 0), CAST(:upto AS INTEGER)
     FROM agentruns_runs AS r WHERE r.key = :run_key
@@ -30,7 +30,7 @@ JOIN agentruns_messages AS m ON m.run_key = c.run_key AND m.seq >= c.lo AND m.se
 ORDER BY m.seq
 """
 
-_CHAIN = sa.text(CHAIN).columns(sa.column("body", sa.JSON))
+_CHAIN = sa.text(_CHAIN_SQL).columns(sa.column("body", sa.JSON))
 
 
 def messages(conn: Connection, run_key: int, upto: int) -> list[dict[str, Any]]:

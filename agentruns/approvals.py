@@ -11,6 +11,7 @@ import binascii
 import hashlib
 import hmac
 import json
+import math
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -47,7 +48,9 @@ def mint(secret: str, run_id: str, wait: WaitPoint) -> str:
         "r": run_id,
         "a": wait.approval_id,
         "t": wait.token_id,
-        "e": int(wait.expires_at.timestamp()),
+        # Whole seconds, rounded up: the token never runs out before its wait point,
+        # whose own expiry (to the microsecond) resume checks too.
+        "e": math.ceil(wait.expires_at.timestamp()),
         "h": call_hash(wait.tool_name, wait.input),
     }
     body = _b64(json.dumps(claims, separators=(",", ":")).encode())

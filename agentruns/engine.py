@@ -484,6 +484,8 @@ class Engine:
             claims, run.id, run.waiting
         ):
             raise InvalidTokenError("stale", "the run is not waiting on this token")
+        if run.waiting is not None and run.waiting.expires_at <= utcnow():
+            raise InvalidTokenError("expired")  # tick has not answered it yet
         if run.agent not in self._agents:
             # As dispatch: an engine that could not run the answered run refuses, and
             # the token stays good for one that can.

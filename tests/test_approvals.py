@@ -20,6 +20,7 @@ from agentruns import (
     ToolContext,
     UnknownAgentError,
     WaitPoint,
+    approvals,
     tool,
 )
 from agentruns.events import Event
@@ -184,19 +185,44 @@ def test_expired_token_is_refused_and_tick_denies_the_expired_wait(
     assert len([s for s in engine.steps(run.id) if s.kind == "wait"]) == 1
 
 
+def test_a_token_lasts_exactly_as_long_as_its_wait_point(
+    make_engine: EngineFactory, calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    agent, _ = comment_agent(calls, approval_ttl=timedelta(hours=1))
+    engine = make_engine([agent])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    assert run.waiting is not None
+    expires = run.waiting.expires_at
+    token = engine.approval_token(run.id)
+    # The token holds its expiry in whole seconds: never one before the wait point's.
+    just_before = expires - timedelta(microseconds=1)
+    assert approvals.verify(engine.secret, token, now=just_before).run_id == run.id
+    # Past the wait point's own expiry and before tick has answered it: refused.
+    monkeypatch.setattr("agentruns.engine.utcnow", lambda: expires)
+    with pytest.raises(InvalidTokenError) as err:
+        engine.resume(token, approved=True)
+    assert err.value.reason == "expired"
+    assert engine.get_run(run.id).status is RunStatus.WAITING and calls == []
+    monkeypatch.undo()
+    engine.resume(token, approved=True)
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED and len(calls) == 1
+
+
 def test_an_approval_whose_input_holds_a_nul_can_be_answered_and_expired(
     make_engine: EngineFactory, calls: Calls, errors: Errors
 ) -> None:
     # JSON keeps "\u0000", but Postgres cannot read such a document as text: the
     # resume's guard and tick's expiry must not depend on that.
-    def agent(name: str, body: str) -> Agent:
+    def agent(name: str, body: str, ttl: float) -> Agent:
         model = ScriptedModel(
             [tool_use("post_comment", {"issue": "7", "body": body}), text("Done.")]
         )
-        return Agent(name, model, tools=tracker_tools(calls), approval_ttl=timedelta(seconds=1))
+        return Agent(name, model, tools=tracker_tools(calls), approval_ttl=timedelta(seconds=ttl))
 
-    engine = make_engine([agent("nul", "a\x00b"), agent("plain", "ab")])
-    answered = wait_until_waiting(engine, engine.dispatch("nul", trigger({})).id)
+    agents = [agent("answered", "a\x00b", 60), agent("nul", "a\x00b", 1), agent("plain", "ab", 1)]
+    engine = make_engine(agents)
+    answered = wait_until_waiting(engine, engine.dispatch("answered", trigger({})).id)
     engine.resume(engine.approval_token(answered.id), approved=True)
     assert engine.idle(10)
     assert engine.get_run(answered.id).status is RunStatus.COMPLETED

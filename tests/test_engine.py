@@ -32,6 +32,7 @@ from agentruns import (
     Usage,
     tool,
 )
+from agentruns.errors import InvalidCheckpointError
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.runs import Run, utcnow
 from agentruns.schedulers import ManualScheduler
@@ -858,6 +859,57 @@ def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
     healthy = worker.dispatch("a", trigger({"n": 2}))
     assert worker.idle(10)
     assert worker.get_run(healthy.id).status is RunStatus.COMPLETED
+
+
+@pytest.mark.parametrize("store", ["postgres", "sqlite"])
+@pytest.mark.parametrize(
+    ("column", "damage"),
+    [
+        ("trigger", '{"payload": 1}'),
+        ("budget", '{"max_steps": "many"}'),
+        ("waiting", '{"kind": "approval"}'),
+    ],
+)
+def test_a_run_row_damaged_by_hand_is_read_listed_and_failed_once(
+    request: pytest.FixtureRequest, store: str, column: str, damage: str
+) -> None:
+    make_engine = engines_on(request, store)
+    agent = Agent("a", ScriptedModel([text("ok")]))
+    producer = make_engine([agent], scheduler=ManualScheduler())
+    damaged = producer.dispatch("a", trigger({"n": 1}), concurrency_key="k")
+    behind = producer.dispatch("a", trigger({"n": 2}), concurrency_key="k")
+    with producer.store.engine.begin() as conn:  # damaged outside agentruns
+        conn.execute(
+            sa.text(f"UPDATE agentruns_runs SET {column} = :value WHERE id = :id"),
+            {"value": damage, "id": damaged.id},
+        )
+    # It reads (what cannot be, as empty) and is listed with the others.
+    assert producer.get_run(damaged.id).status is RunStatus.QUEUED
+    assert {r.id for r in producer.list_runs()} == {damaged.id, behind.id}
+
+    worker = make_engine([agent])
+    failed = worker.execute(damaged.id)
+    assert failed.status is RunStatus.FAILED
+    assert failed.error is not None and failed.error.code == "invalid_checkpoint"
+    assert f"its {column} is not a valid" in failed.error.message
+    assert worker.get_run(damaged.id).status is RunStatus.FAILED
+    assert worker.idle(10)  # its key is free: the run behind it was scheduled
+    assert worker.get_run(behind.id).status is RunStatus.COMPLETED
+    assert worker.recover() == []  # failed once, not claimed again and again
+
+
+def test_a_run_row_with_a_status_agentruns_does_not_know_is_refused_clearly(
+    make_engine: EngineFactory,
+) -> None:
+    engine = make_engine([Agent("a", ScriptedModel([text("ok")]))], scheduler=ManualScheduler())
+    odd, fine = (engine.dispatch("a", trigger({"n": n})) for n in (1, 2))
+    with engine.store.engine.begin() as conn:
+        conn.execute(
+            sa.text("UPDATE agentruns_runs SET status = 'paused' WHERE id = :id"), {"id": odd.id}
+        )
+    with pytest.raises(InvalidCheckpointError, match="status agentruns does not know: 'paused'"):
+        engine.get_run(odd.id)
+    assert [r.id for r in engine.list_runs()] == [fine.id]  # the others still list
 
 
 def test_token_budget_counts_cached_input_tokens(make_engine: EngineFactory) -> None:

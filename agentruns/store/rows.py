@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, TypeVar
 
+from pydantic import BaseModel
 from sqlalchemy.engine import RowMapping
 
+from agentruns.errors import InvalidCheckpointError
 from agentruns.runs import (
     Budget,
     Claim,
@@ -20,6 +23,9 @@ from agentruns.runs import (
 )
 from agentruns.store.base import Commit
 
+M = TypeVar("M", bound=BaseModel)
+log = logging.getLogger("agentruns")
+
 
 def aware(value: datetime | None) -> datetime | None:
     # SQLite hands back naive datetimes; everything we store is UTC.
@@ -28,20 +34,69 @@ def aware(value: datetime | None) -> datetime | None:
     return value
 
 
-def run_from_row(row: RowMapping | dict[str, Any]) -> Run:
+# What a JSON column damaged outside agentruns reads as (see ``read_run``).
+UNREADABLE_TRIGGER = TriggerEnvelope(source="unreadable", trigger="unreadable", payload=None)
+_UNREADABLE_ERROR = RunError(code="invalid_checkpoint", message="the stored error cannot be read")
+
+
+def _json(
+    row: RowMapping | dict[str, Any],
+    column: str,
+    model: type[M],
+    problems: list[str],
+    unreadable: M | None = None,
+) -> M | None:
+    """A JSON column as its model: None if empty (but the trigger, never empty), and
+    ``unreadable`` if its model refuses it, the problem noted in ``problems``."""
+    value = row[column]
+    if not value and column != "trigger":
+        return None
+    try:
+        return model.model_validate(value)
+    except ValueError as exc:  # pydantic's ValidationError is one
+        problems.append(f"its {column} is not a valid {model.__name__} ({_first_line(exc)})")
+        return unreadable
+
+
+def _first_line(exc: Exception) -> str:
+    errors = getattr(exc, "errors", None)
+    if callable(errors) and errors():
+        first = errors()[0]
+        where = ".".join(str(part) for part in first["loc"])
+        return f"{where}: {first['msg']}" if where else str(first["msg"])
+    return str(exc).splitlines()[0]
+
+
+def read_run(row: RowMapping | dict[str, Any]) -> tuple[Run, str | None]:
+    """The run a row holds, and what of it could not be read (None when all of it could).
+
+    agentruns only stores what it validated, but a row edited by hand can hold JSON
+    its models refuse. Such a row still reads, so that it can be listed, shown,
+    cancelled and failed (a claim fails it with ``invalid_checkpoint``): a column
+    that cannot be read reads as empty, the trigger as ``UNREADABLE_TRIGGER``, an
+    error as an ``invalid_checkpoint`` one. A status agentruns does not know is not
+    readable at all: that raises ``InvalidCheckpointError``."""
+    try:
+        status = RunStatus(row["status"])
+    except ValueError:
+        raise InvalidCheckpointError(
+            f"run {row['id']} has a status agentruns does not know: {row['status']!r}"
+        ) from None
+    problems: list[str] = []
+    trigger = _json(row, "trigger", TriggerEnvelope, problems, UNREADABLE_TRIGGER)
     claim = None
     if row["claim_owner"] is not None and row["claim_expires_at"] is not None:
         claim = Claim(owner=row["claim_owner"], expires_at=aware(row["claim_expires_at"]))
-    return Run(
+    run = Run(
         id=row["id"],
         agent=row["agent"],
-        status=RunStatus(row["status"]),
-        trigger=TriggerEnvelope.model_validate(row["trigger"]),
+        status=status,
+        trigger=trigger or UNREADABLE_TRIGGER,
         idempotency_key=row["idempotency_key"],
         concurrency_key=row["concurrency_key"],
         thread=row["thread"],
         output=row["output"],
-        error=RunError.model_validate(row["error"]) if row["error"] else None,
+        error=_json(row, "error", RunError, problems, _UNREADABLE_ERROR),
         usage=Usage(
             input_tokens=row["input_tokens"],
             output_tokens=row["output_tokens"],
@@ -49,15 +104,26 @@ def run_from_row(row: RowMapping | dict[str, Any]) -> Run:
             cache_read_input_tokens=row["cache_read_input_tokens"],
         ),
         steps_used=row["steps_used"],
-        waiting=WaitPoint.model_validate(row["waiting"]) if row["waiting"] else None,
+        waiting=_json(row, "waiting", WaitPoint, problems),
         claim=claim,
         cancel_requested=row["cancel_requested"],
-        budget=Budget.model_validate(row["budget"]) if row["budget"] else None,
+        budget=_json(row, "budget", Budget, problems),
         created_at=aware(row["created_at"]),
         updated_at=aware(row["updated_at"]),
         started_at=aware(row["started_at"]),
         finished_at=aware(row["finished_at"]),
     )
+    if problems:
+        return run, f"run {run.id}'s row: " + "; ".join(problems)
+    return run, None
+
+
+def run_from_row(row: RowMapping | dict[str, Any]) -> Run:
+    """The run a row holds (a damaged row reads as ``read_run`` says, and is logged)."""
+    run, problem = read_run(row)
+    if problem is not None:
+        log.warning("cannot read all of %s", problem)
+    return run
 
 
 def run_updated(base: Run, row: dict[str, Any]) -> Run:
@@ -73,15 +139,15 @@ def run_updated(base: Run, row: dict[str, Any]) -> Run:
             cache_creation_input_tokens=row["cache_creation_input_tokens"],
             cache_read_input_tokens=row["cache_read_input_tokens"],
         )
-    waiting = row["waiting"]
+    problems: list[str] = []  # only a damaged row's own columns can be: they read as empty
     return base.model_copy(
         update={
             "status": RunStatus(row["status"]),
             "output": row["output"],
-            "error": RunError.model_validate(row["error"]) if row["error"] else None,
+            "error": _json(row, "error", RunError, problems, _UNREADABLE_ERROR),
             "usage": usage,
             "steps_used": row["steps_used"],
-            "waiting": WaitPoint.model_validate(waiting) if waiting else None,
+            "waiting": _json(row, "waiting", WaitPoint, problems),
             "claim": claim,
             "cancel_requested": row["cancel_requested"],
             "updated_at": aware(row["updated_at"]),

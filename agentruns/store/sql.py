@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -11,7 +12,12 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection, RowMapping
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
-from agentruns.errors import LeaseLostError, NotMigratedError, RunNotFoundError
+from agentruns.errors import (
+    InvalidCheckpointError,
+    LeaseLostError,
+    NotMigratedError,
+    RunNotFoundError,
+)
 from agentruns.runs import (
     Checkpoint,
     Run,
@@ -33,7 +39,14 @@ from agentruns.store.base import (
 )
 from agentruns.store.connect import READ_ONLY, make_engine
 from agentruns.store.postgres import Statements
-from agentruns.store.rows import aware, new_steps, run_from_row, run_updated, step_from_row
+from agentruns.store.rows import (
+    aware,
+    new_steps,
+    read_run,
+    run_from_row,
+    run_updated,
+    step_from_row,
+)
 from agentruns.store.transactions import Transactions, claimable
 
 log = logging.getLogger("agentruns")
@@ -166,7 +179,7 @@ class SqlStore:
         if agent is not None:
             query = query.where(R.c.agent == agent)
         with self._reads.connect() as conn:
-            return [run_from_row(r) for r in conn.execute(query).mappings()]
+            return _readable(conn.execute(query).mappings())
 
     def steps(self, run_id: str) -> list[Step]:
         with self._reads.connect() as conn:
@@ -267,8 +280,10 @@ class SqlStore:
         row = self.writes.claim(run_id, owner, expires_at, utcnow())
         if row is None:
             return None
-        start = self._transcript_of(row, row["messages"] or [], row.get("damaged"))
-        return Claimed(run=run_from_row(row), epoch=row["epoch"], transcript=start)
+        # A row damaged by hand reads, and the execution fails it (invalid_checkpoint).
+        run, damaged = read_run(row)
+        start = self._transcript_of(row, row["messages"] or [], damaged or row.get("damaged"))
+        return Claimed(run=run, epoch=row["epoch"], transcript=start)
 
     def claimable(self, run_id: str) -> bool:
         """Whether a claim of the run would succeed now: queued, no run of its key
@@ -453,11 +468,15 @@ class SqlStore:
             rows = conn.execute(
                 sa.select(R).where(R.c.status == RunStatus.WAITING.value).order_by(R.c.created_at)
             ).mappings()
-            runs = []
-            for row in rows:
-                try:
-                    runs.append(run_from_row(row))
-                except ValueError as exc:  # pydantic's ValidationError is one
-                    # A row damaged outside agentruns: tick goes on with the others.
-                    log.warning("run %s cannot be read: %s", row["id"], exc)
-            return runs
+            return _readable(rows)
+
+
+def _readable(rows: Iterable[RowMapping]) -> list[Run]:
+    """The runs of the rows, without those a hand edit left unreadable (logged)."""
+    runs = []
+    for row in rows:
+        try:
+            runs.append(run_from_row(row))
+        except InvalidCheckpointError as exc:
+            log.warning("skipped: %s", exc)
+    return runs

@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -263,6 +264,9 @@ def test_watch_follows_runs_another_process_writes(cli: Cli, env: str) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A test run started in the background of a script inherits SIGINT ignored,
+        # and Python then leaves it so: the watcher gets Ctrl-C as a terminal gives it.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         assert watcher.stdout is not None
@@ -275,8 +279,11 @@ def test_watch_follows_runs_another_process_writes(cli: Cli, env: str) -> None:
             seen.append(watcher.stdout.readline())
         assert any(f"{run_id[:8]} step 2   llm" in line for line in seen)
     finally:
-        watcher.send_signal(2)  # Ctrl-C
-        _, err = watcher.communicate(timeout=10)
+        watcher.send_signal(signal.SIGINT)  # Ctrl-C
+        try:
+            _, err = watcher.communicate(timeout=10)
+        finally:
+            watcher.kill()  # not left behind if it did not stop
     assert watcher.returncode == 0 and "Traceback" not in err
 
 

@@ -17,6 +17,7 @@ stored messages stay append-only and the transcript stays valid.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import uuid
 from enum import StrEnum
@@ -30,7 +31,7 @@ from agentruns.errors import (
     LeaseLostError,
 )
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
-from agentruns.runs import Budget, Run, RunError, RunStatus, WaitPoint, utcnow
+from agentruns.runs import Budget, Run, RunError, RunStatus, Usage, WaitPoint, utcnow
 from agentruns.store.base import Claimed, Commit, Committed, Guard, NewStep, Store
 from agentruns.toolcalls import EffectOutcomeUnknown, Outcome, ToolCaller, Wait
 from agentruns.tools import StateHolder, Tool
@@ -227,7 +228,7 @@ class Execution:
             self._check_abort()
             raise
         except ModelError as exc:
-            self._fail_model(str(exc))
+            self._fail_model(str(exc), exc.usage)
         except Exception as exc:
             self._check_abort()
             self._fail_model(f"{type(exc).__name__}: {exc}")
@@ -235,11 +236,13 @@ class Execution:
             raise LeaseLostError(self.run.id)
         problem = _malformed(response)
         if problem:
-            self._fail_model(f"malformed model reply: {problem}")
-        return response
+            self._fail_model(f"malformed model reply: {problem}", _usage_of(response))
+        return _without_blank_text(response)
 
-    def _fail_model(self, message: str) -> None:
-        self._settle(RunStatus.FAILED, error=RunError(code="model_error", message=message))
+    def _fail_model(self, message: str, usage: Usage | None = None) -> None:
+        """Fail the run with ``model_error``; the tokens of a refused reply still count."""
+        error = RunError(code="model_error", message=message)
+        self._settle(RunStatus.FAILED, error=error, usage=usage)
 
     def _model_step(self, messages: list[dict[str, Any]], response: ModelResponse) -> None:
         now = utcnow()
@@ -466,6 +469,7 @@ class Execution:
         output: str | None = None,
         error: RunError | None = None,
         steps: list[NewStep] | None = None,
+        usage: Usage | None = None,
     ) -> None:
         self._commit(
             Commit(
@@ -473,6 +477,7 @@ class Execution:
                 status=status,
                 output=output,
                 error=error,
+                usage=usage,
                 release_claim=True,
                 waiting=None,
             )
@@ -502,6 +507,24 @@ def _llm_output(response: ModelResponse, calls: list[dict[str, Any]]) -> dict[st
     return output
 
 
+def _usage_of(response: ModelResponse) -> Usage | None:
+    return response.usage if isinstance(response.usage, Usage) else None
+
+
+def _blank(block: dict[str, Any]) -> bool:
+    # The Messages API refuses a text block of whitespace in a request.
+    return block["type"] == "text" and not block["text"].strip()
+
+
+def _without_blank_text(response: ModelResponse) -> ModelResponse:
+    """The reply as it can be sent back to the provider: blank text blocks left out
+    (a model may answer a tool call with an empty text block before it)."""
+    if not any(_blank(block) for block in response.content):
+        return response
+    content = [block for block in response.content if not _blank(block)]
+    return dataclasses.replace(response, content=content)
+
+
 def _malformed(response: ModelResponse) -> str | None:
     if not isinstance(response.content, list):
         return "content is not a list of blocks"
@@ -523,4 +546,8 @@ def _malformed(response: ModelResponse) -> str | None:
                 return "a tool_use name holds a NUL character"
             if not isinstance(block.get("input"), dict):
                 return f"the input of tool_use {block['id']} is not an object"
+    if all(_blank(block) for block in response.content):
+        # Stored, it would make the transcript one the provider refuses once anything
+        # follows it (the next run of a thread, say).
+        return f"the reply has no content (stop_reason={response.stop_reason})"
     return None

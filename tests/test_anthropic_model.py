@@ -448,10 +448,23 @@ def test_pause_turn_continues_with_the_assistant_content_and_merges_the_turn(
     assert second.body["system"] == first.body["system"]
 
 
-def test_refusal_fails_with_model_error(fake: FakeAnthropic) -> None:
-    fake.push(reply(text("I can't help with that."), stop_reason="refusal"))
-    with pytest.raises(ModelError, match="refused"):
+def test_refusal_fails_with_model_error_and_the_tokens_it_spent(fake: FakeAnthropic) -> None:
+    fake.push(reply(text("I can't help with that."), stop_reason="refusal", usage=usage(40, 9)))
+    with pytest.raises(ModelError, match="refused") as err:
         make_model(fake).complete(request(), threading.Event())
+    assert err.value.usage == Usage(input_tokens=40, output_tokens=9)
+
+
+def test_a_tool_call_whose_input_json_is_cut_short_fails_though_the_reply_is_whole(
+    fake: FakeAnthropic,
+) -> None:
+    # The SDK reads tool input leniently: '{"query": "cra"' would become {"query": "cra"}
+    # and the call would run with part of its arguments.
+    fake.push(reply(tool_use("search_issues", partial_json='{"query": "cra"'), usage=usage(30, 4)))
+    with pytest.raises(ModelError, match="'search_issues' is not complete JSON") as err:
+        make_model(fake).complete(request(), threading.Event())
+    assert err.value.usage == Usage(input_tokens=30, output_tokens=4)
+    assert len(fake.requests) == 1  # a whole reply: not retried
 
 
 def test_max_tokens_inside_a_tool_call_fails_instead_of_leaving_it_unanswered(

@@ -342,15 +342,38 @@ def test_malformed_model_reply_fails_with_model_error_keeping_the_transcript(
         {"type": "text", "text": 123},
         {"type": "text"},
         {"type": "tool_use", "name": "a\x00b", "id": "t", "input": {}},  # no store keeps it
+        # No content: stored, the provider would refuse the transcript once anything
+        # followed it (the next run of a thread).
+        [],
+        text(""),
+        [text(" \n"), text("")],
     ]
     for reply in malformed:
-        model = ScriptedModel([tool_use("search_issues", {"query": "x"}), reply])
+        model = ScriptedModel(
+            [tool_use("search_issues", {"query": "x"}), reply],
+            usage=Usage(input_tokens=10, output_tokens=5),
+        )
         engine = make_engine([Agent("a", model, tools=[search_issues])])
         run = _run_to_end(engine)
         assert run.status is RunStatus.FAILED, reply
         assert run.error is not None and run.error.code == "model_error", run.error
         checkpoint = engine.checkpoint(run.id)
         assert checkpoint is not None and len(checkpoint.messages) == 3
+        # The refused reply's tokens were spent all the same.
+        assert run.usage == Usage(input_tokens=20, output_tokens=10), reply
+
+
+def test_blank_text_beside_a_tool_call_is_left_out_of_the_transcript(
+    make_engine: EngineFactory,
+) -> None:
+    # The Messages API refuses a whitespace text block in a request: stored, it
+    # would fail the run's next model call.
+    model = ScriptedModel([[text("\n"), tool_use("search_issues", {"query": "x"})], text("ok")])
+    run = _run_to_end(make_engine([Agent("a", model, tools=[search_issues])]))
+    assert run.status is RunStatus.COMPLETED
+    sent_back = model.calls[1][1]
+    assert sent_back["role"] == "assistant"
+    assert [b["type"] for b in sent_back["content"]] == ["tool_use"]
 
 
 def test_state_tools_read_and_merge_state_saved_with_the_checkpoint(

@@ -44,6 +44,15 @@ class _IncompleteStream(Exception):
     """The stream ended before ``message_stop``: the connection dropped; worth a retry."""
 
 
+class _CutInput(Exception):
+    """A complete reply whose tool call input is not whole JSON (the SDK reads a cut
+    one leniently, so a call could run with part of its arguments)."""
+
+    def __init__(self, message: Message, name: str) -> None:
+        super().__init__(f"the input of the model's call to {name!r} is not complete JSON")
+        self.message = message
+
+
 class AnthropicModel:
     """Claude through ``anthropic.Anthropic().messages``, one streamed call per step.
 
@@ -130,7 +139,8 @@ class AnthropicModel:
                 return self._finish(message, content, usage)
         raise ModelError(
             f"the model paused its turn more than {MAX_PAUSE_TURNS} times in one call"
-            " (stop_reason=pause_turn); giving up"
+            " (stop_reason=pause_turn); giving up",
+            usage,
         )
 
     # request
@@ -186,6 +196,8 @@ class AnthropicModel:
             return retrying(_stream_once, client, params, signal)
         except ModelAborted:
             raise
+        except _CutInput as exc:
+            raise ModelError(f"malformed model reply: {exc}", _usage(exc.message)) from exc
         except Exception as exc:
             tries = 1 + self._max_retries if _is_transient(exc) else 1
             raise ModelError(_describe(exc, self._model, client, tries)) from exc
@@ -207,12 +219,14 @@ class AnthropicModel:
         if stop == "refusal":
             said = "".join(b["text"] for b in content if b["type"] == "text").strip()
             raise ModelError(
-                "the model refused to answer (stop_reason=refusal)" + (f": {said}" if said else "")
+                "the model refused to answer (stop_reason=refusal)" + (f": {said}" if said else ""),
+                usage,
             )
         if stop in _CUT_OFF and any(b["type"] == "tool_use" for b in content):
             raise ModelError(
                 f"the model's response was cut off (stop_reason={stop}) in the middle of a"
-                f" tool call; raise max_tokens (now {self._max_tokens}) or shorten the transcript"
+                f" tool call; raise max_tokens (now {self._max_tokens}) or shorten the transcript",
+                usage,
             )
         return ModelResponse(content=content, stop_reason=stop, usage=usage, model=message.model)
 
@@ -224,6 +238,7 @@ class _Stream:
         self.done = threading.Event()
         self.message: Message | None = None
         self.error: BaseException | None = None
+        self.inputs: dict[int, list[str]] = {}  # each tool call's input JSON, as sent
         self._lock = threading.Lock()
         self._response: httpx2.Response | None = None
         self._aborted = False
@@ -241,9 +256,15 @@ class _Stream:
                         if self._aborted:
                             return
                         stopped = stopped or event.type == "message_stop"
+                        if (
+                            event.type == "content_block_delta"
+                            and event.delta.type == "input_json_delta"
+                        ):
+                            self.inputs.setdefault(event.index, []).append(event.delta.partial_json)
                     if not stopped:
                         raise _IncompleteStream("the response stream ended before message_stop")
                     self.message = stream.get_final_message()
+                    self._check_inputs(self.message)
                 finally:
                     with self._lock:
                         self._response = None
@@ -251,6 +272,19 @@ class _Stream:
             self.error = exc
         finally:
             self.done.set()
+
+    def _check_inputs(self, message: Message) -> None:
+        if message.stop_reason in _CUT_OFF:
+            return  # cut off by a limit: the model's own error says which (``_finish``)
+        for index, parts in self.inputs.items():
+            text = "".join(parts)
+            block = message.content[index] if index < len(message.content) else None
+            if not text.strip() or block is None or block.type != "tool_use":
+                continue
+            try:
+                json.loads(text)
+            except ValueError:
+                raise _CutInput(message, block.name) from None
 
     def abort(self) -> None:
         with self._lock:

@@ -10,7 +10,14 @@ from agentruns.runs import Usage
 
 
 class ModelError(Exception):
-    """The model call failed for good (after retries); fails the run with ``model_error``."""
+    """The model call failed for good (after retries); fails the run with ``model_error``.
+
+    ``usage`` is what the provider counted for replies it sent and that were refused
+    (a refusal, a cut-off tool call): the run's usage includes it."""
+
+    def __init__(self, message: str, usage: Usage | None = None) -> None:
+        super().__init__(message)
+        self.usage = usage
 
 
 class ModelAborted(Exception):

@@ -28,7 +28,14 @@ def channel(prefix: str) -> str:
 
 def summary(event: Event) -> dict[str, object]:
     if event.run is not None:
-        return {"type": event.type, "run_id": event.run.id, "status": event.run.status.value}
+        run = event.run
+        return {
+            "type": event.type,
+            "run_id": run.id,
+            "status": run.status.value,
+            # Which state of the run this is: a watcher that has seen a later one drops it.
+            "updated_at": run.updated_at.isoformat(),
+        }
     assert event.step is not None
     return {"type": event.type, "run_id": event.step.run_id, "index": event.step.index}
 

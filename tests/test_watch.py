@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -9,8 +10,11 @@ import sys
 import time
 from pathlib import Path
 
-from agentruns import Agent, RedisLeases, RunStatus
-from agentruns.models import ScriptedModel, text
+from agentruns import Agent, Engine, LocalLeases, RedisLeases, RunStatus, SqlStore, tool
+from agentruns.broadcast import summary
+from agentruns.cli.session import Session
+from agentruns.cli.watch import _Follower
+from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
 from agentruns.settings import Settings
 from agentruns.wiring import engine_from_settings
@@ -71,4 +75,52 @@ def test_watch_wakes_on_published_events_instead_of_waiting_for_its_poll(
     finally:
         if watcher.poll() is None:
             watcher.kill()
+        engine.close()
+
+
+def test_a_running_event_that_comes_after_a_later_look_is_not_shown(sqlite_url: str) -> None:
+    # The engine publishes a "running" event after each step; a watcher whose look
+    # at the store is ahead of them must not print the run as running again.
+    @tool(needs_approval=True)
+    def post(body: str) -> str:
+        """Post."""
+        return "posted"
+
+    @tool
+    def search() -> str:
+        """Search."""
+        return "found"
+
+    model = ScriptedModel([tool_use("search", {}), tool_use("post", {"body": "hi"})])
+
+    engine = Engine(
+        SqlStore(sqlite_url),
+        leases=LocalLeases(),
+        scheduler=ManualScheduler(),
+        agents=[Agent("a", model, tools=[search, post])],
+        secret="s",
+    )
+    try:
+        published: list[dict[str, object]] = []
+        engine.on("run.updated", lambda event: published.append(summary(event)))
+        out = io.StringIO()
+        follower = _Follower(Session(as_json=False, out=out), engine, history=False)
+        run = engine.dispatch("a", trigger({}))
+        follower.poll([engine.get_run(run.id)], baseline=True)
+        assert engine.execute(run.id).status is RunStatus.WAITING
+        running = [e for e in published if e["status"] == "running"]
+        assert len(running) >= 2  # one per step
+
+        follower.heard(running[0])  # the first wakes the watcher: its look sees waiting
+        follower.poll([engine.get_run(run.id)], baseline=False)
+        for event in running[1:]:  # the rest arrive after that look
+            follower.heard(event)
+            follower.poll([engine.get_run(run.id)], baseline=False)
+        engine.cancel(run.id)
+        follower.poll([engine.get_run(run.id)], baseline=False)
+
+        lines = out.getvalue().splitlines()
+        shown = [line.split()[3] for line in lines if line.split()[1] == "run"]
+        assert shown == ["queued", "running", "waiting", "cancelled"], lines
+    finally:
         engine.close()

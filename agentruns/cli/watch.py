@@ -67,10 +67,17 @@ class _Follower:
             self.status[run.id] = run.status
 
     def heard(self, event: dict[str, object]) -> None:
-        """An event published by an engine: note when a run started running."""
+        """An event published by an engine: note when a run started running, unless
+        the store has shown a later state of the run already (events can come late:
+        the engine publishes one after each step, and a look may be ahead of them)."""
         run_id = event.get("run_id")
-        if event.get("status") == RunStatus.RUNNING.value and isinstance(run_id, str):
-            self.started.setdefault(run_id, utcnow())
+        if event.get("status") != RunStatus.RUNNING.value or not isinstance(run_id, str):
+            return
+        at = _when(event.get("updated_at"))
+        shown = self.updated.get(run_id)
+        if at is not None and shown is not None and at <= shown:
+            return
+        self.started.setdefault(run_id, at or utcnow())
 
     def settled(self) -> bool:
         return all(status.is_final for status in self.status.values())
@@ -90,6 +97,16 @@ class _Follower:
 
     def _json(self, value: Any) -> None:
         self.emit(json.dumps(value, ensure_ascii=False))
+
+
+def _when(value: object) -> datetime | None:
+    """An event's ``updated_at`` (engines before it was published send none)."""
+    if not isinstance(value, str):
+        return None
+    try:
+        return datetime.fromisoformat(value)
+    except ValueError:
+        return None
 
 
 def _as_running(run: Run, since: datetime) -> Run:

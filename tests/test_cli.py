@@ -13,16 +13,19 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 
 from agentruns import Agent, Engine, LocalLeases, LocalScheduler, RunStatus, SqlStore
 from agentruns.cli import main
 from agentruns.migrate import migrate
+from tests.conftest import wait_for
 from workers import triage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -216,6 +219,64 @@ def test_recover_continues_an_interrupted_run(cli: Cli) -> None:
     assert "requeued 1 run(s)" in out
     assert f"run {run.id} waiting on approval of post_comment" in out
     assert cli.json("recover") == {"requeued": [], "runs": []}
+
+
+def test_a_second_ctrl_c_cuts_the_drain_short_without_a_traceback(cli: Cli, tmp_path: Path) -> None:
+    # The first Ctrl-C drains, which waits for the tool call in flight: here one that
+    # hangs, so only a second Ctrl-C gets the person their prompt back.
+    log = tmp_path / "tools.log"
+    env = {
+        **os.environ,
+        "AGENTRUNS_AGENTS": "tests.support.agents",
+        "AGENTRUNS_TEST_HANG": "note",
+        "AGENTRUNS_TEST_LOG": str(log),
+    }
+    dispatch = subprocess.Popen(
+        [sys.executable, "-m", "agentruns.cli", "dispatch", "steps", "--payload", "{}"],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    try:
+        wait_for(lambda: log.exists() and "hanging note" in log.read_text(), "the tool to hang")
+        dispatch.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        assert dispatch.poll() is None  # draining: waiting for the tool
+        dispatch.send_signal(signal.SIGINT)
+        _, err = dispatch.communicate(timeout=20)
+    finally:
+        dispatch.kill()
+    assert dispatch.returncode == 130, err
+    assert err.strip() == "agentruns: interrupted", err
+
+
+def test_an_embedded_dispatch_whose_database_goes_away_fails_in_one_line(
+    db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AGENTRUNS_DATABASE_URL", db_url)
+    monkeypatch.setenv("AGENTRUNS_AGENTS", "tests.support.agents")
+    monkeypatch.delenv("AGENTRUNS_REDIS_URL", raising=False)
+    plain = db_url.replace("+psycopg", "", 1)
+
+    def cut_the_connections() -> None:  # Postgres drops them once the run is under way
+        with psycopg.connect(plain, autocommit=True) as conn:
+            while not conn.execute("SELECT count(*) FROM agentruns_steps").fetchone()[0]:
+                time.sleep(0.02)
+            conn.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+
+    cutter = threading.Thread(target=cut_the_connections)
+    cutter.start()
+    code, _, err = Cli(capsys, db_url)("dispatch", "steps", "--payload", "{}")
+    cutter.join()
+    assert code == 1, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("agentruns: error: cannot open the database")
 
 
 def test_tick_denies_an_expired_approval_and_the_run_goes_on(cli: Cli) -> None:

@@ -74,7 +74,16 @@ def _run(args: argparse.Namespace) -> int:
         session.close()
         return 0
     except KeyboardInterrupt:
-        session.close()
+        try:
+            session.close()  # drains: this process's runs settle interrupted
+        except KeyboardInterrupt:
+            # A second Ctrl-C while the drain waits (for a tool call, say): leave now,
+            # not after the calls in flight. recover picks their runs up once their
+            # claims expire.
+            with contextlib.suppress(Exception):
+                sys.stdout.flush()
+            print("agentruns: interrupted", file=sys.stderr, flush=True)
+            os._exit(130)
         print("agentruns: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:

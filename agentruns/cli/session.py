@@ -165,9 +165,11 @@ class Session:
         engine.on("run.updated", on_run)
 
     def settle(self) -> None:
-        """Wait for the executions this process started (embedded mode) to finish or pause."""
+        """Wait for the executions this process started (embedded mode) to finish or
+        pause; one the database or Redis stopped is this command's failure."""
         if self._engine is not None:
             self._engine.idle()
+        self.raise_reported()
 
     def raise_reported(self) -> None:
         """An infrastructure failure an engine swallowed and reported is this command's failure."""

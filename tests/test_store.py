@@ -393,6 +393,30 @@ def test_a_broken_connection_fails_its_write_and_the_next_write_gets_a_new_one(
     store.close()
 
 
+def test_a_broken_hot_connection_sends_the_pools_others_back_to_reconnect(db_url: str) -> None:
+    # Postgres dropped every connection (a restart, a failover): the hot write that
+    # finds out must not leave each other pooled connection to fail one write more.
+    store = SqlStore(db_url)
+    run, guard = _running(store)
+    pooled = [store.engine.raw_connection() for _ in range(5)]
+    for connection in pooled:
+        connection.cursor().execute("SELECT 1")
+    for connection in pooled:
+        connection.close()  # back to the pool, idle
+    database = sa.make_url(db_url).database
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+            (database,),
+        )
+    with pytest.raises(sa.exc.OperationalError):
+        store.commit(run, guard, Commit(steps=[_step("lost")]))
+    for n in range(6):
+        assert store.commit(run, guard, Commit(steps=[_step(f"after {n}")])) is not None
+    assert len(store.steps(run.id)) == 6
+    store.close()
+
+
 def test_a_broken_connection_elsewhere_sends_the_held_ones_back_to_reconnect(
     db_url: str,
 ) -> None:

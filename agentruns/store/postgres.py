@@ -155,7 +155,13 @@ class Statements:
             reusable = True  # the statement failed, the connection did not
             raise sa.exc.IntegrityError(statement.text, params, exc) from exc
         except psycopg.OperationalError as exc:
-            pooled.invalidate(exc)
+            if session.driver.pgconn.status == pq.ConnStatus.BAD:
+                # The connection is gone, and what broke it (a restart, a failover) may
+                # have broken every other: they reconnect on their next checkout, as
+                # SQLAlchemy's own execution does on a disconnect.
+                self.engine.pool._invalidate(pooled, exc)
+            else:
+                pooled.invalidate(exc)
             self.held.drop()  # what broke this one may have broken them too
             raise sa.exc.OperationalError(statement.text, params, exc) from exc
         finally:

@@ -6,11 +6,14 @@ database, fenced by the epoch), so a renewal stalled on Redis delays no one's
 timeout. A renewal that fails, or none that succeeds before the lease could
 expire, aborts that execution as lost; a claim whose run was asked to cancel
 aborts it as cancelled (the fallback when the cancel's pub/sub message was
-missed).
+missed). With leases only this process sees (``LocalLeases``), a cancel asked
+in another process has no message to come by: the keeper looks for cancels in
+the store every ``CANCEL_LOOK_S``, one read for all its runs.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
@@ -21,6 +24,8 @@ from agentruns.execution import Abort, Execution
 from agentruns.leases.base import Leases
 from agentruns.runs import utcnow
 from agentruns.store.base import Store
+
+log = logging.getLogger("agentruns")
 
 
 class _Kept:
@@ -35,6 +40,8 @@ class _Kept:
 
 
 class LeaseKeeper:
+    CANCEL_LOOK_S = 0.5
+
     def __init__(
         self,
         leases: Leases,
@@ -56,6 +63,8 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
         # Renewals wait on Redis and Postgres; timeouts must not wait for them.
         self._renewals = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentruns-renew")
+        self._look_for_cancels = bool(getattr(leases, "process_local", False))
+        self._looking = False
 
     def expiry(self) -> datetime:
         return utcnow() + timedelta(seconds=self._ttl)
@@ -104,10 +113,18 @@ class LeaseKeeper:
 
     def _watch(self) -> None:
         interval = min(0.1, self._ttl / 10)
+        next_look = 0.0
         while not self._stop.wait(interval):
             now = time.monotonic()
             with self._lock:
                 kept = list(self._kept.values())
+            if self._look_for_cancels and kept and now >= next_look and not self._looking:
+                next_look = now + self.CANCEL_LOOK_S
+                self._looking = True
+                try:
+                    self._renewals.submit(self._cancels, kept)
+                except RuntimeError:  # stopped meanwhile
+                    return
             for item in kept:
                 if item.deadline is not None and now >= item.deadline:
                     item.execution.abort(Abort.TIMEOUT)
@@ -121,6 +138,19 @@ class LeaseKeeper:
                         self._renewals.submit(self._renew, item)
                     except RuntimeError:  # stopped meanwhile
                         return
+
+    def _cancels(self, kept: list[_Kept]) -> None:
+        try:
+            asked = self._store.cancels_requested([item.execution.run_id for item in kept])
+        except Exception:
+            # The renewals report what keeps the store away, and find the cancels later.
+            log.debug("looking for cancels failed", exc_info=True)
+            return
+        finally:
+            self._looking = False
+        for item in kept:
+            if item.execution.run_id in asked:
+                item.execution.abort(Abort.CANCEL)
 
     def _renew(self, item: _Kept) -> None:
         execution = item.execution

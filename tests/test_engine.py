@@ -534,6 +534,28 @@ def test_cancel_of_a_running_run_from_another_engine_aborts_it_within_a_second(
     assert other.get_run(run.id).claim is None
 
 
+@pytest.mark.parametrize("store", ["postgres", "sqlite"])
+def test_a_cancel_from_another_process_reaches_an_owner_without_redis_within_a_second(
+    request: pytest.FixtureRequest, store: str
+) -> None:
+    # Leases of its own process (two CLIs on one database, say): the other's cancel
+    # has no message to come by; the owner finds it in the store, well before the
+    # renewal (every lease_ttl / 3) would.
+    make_engine = engines_on(request, store)
+    model = ScriptedModel([text("too late")], latency_s=30)
+    owner = make_engine([Agent("a", model)], leases=LocalLeases(), lease_ttl=30.0)
+    other = make_engine(
+        [Agent("a", model)], leases=LocalLeases(), lease_ttl=30.0, scheduler=ManualScheduler()
+    )
+    run = owner.dispatch("a", trigger({}))
+    wait_for(lambda: len(model.calls) == 1)
+    asked = time.monotonic()
+    assert other.cancel(run.id).cancel_requested
+    wait_for(lambda: other.get_run(run.id).status is RunStatus.CANCELLED, timeout=5)
+    assert time.monotonic() - asked < 1.5
+    assert other.get_run(run.id).claim is None
+
+
 def test_a_cancel_that_comes_as_the_run_starts_is_not_lost(
     make_engine: EngineFactory,
 ) -> None:

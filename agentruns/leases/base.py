@@ -15,6 +15,10 @@ class Leases(Protocol):
     whichever process holds the run (anywhere) to abort it soon;
     ``on_abort_request`` registers this process's handler and returns a
     function that unregisters it.
+
+    Leases that are only this process's (``LocalLeases``) set ``process_local``:
+    an abort another process asks for cannot reach their handlers, so an engine
+    looks for its runs' cancels in the store instead (every ``CANCEL_LOOK_S``).
     """
 
     def acquire(self, run_id: str, owner: str, ttl_s: float) -> bool: ...

@@ -47,8 +47,11 @@ class LocalLeases:
 
     Only engines sharing this object see each other's leases, so it suits the
     embedded mode and tests. ``request_abort`` calls the registered handlers
-    synchronously, in the caller's thread, before it returns.
+    synchronously, in the caller's thread, before it returns. Another process's
+    cancel reaches none of them (``process_local``): engines look in the store.
     """
+
+    process_local = True
 
     def __init__(self) -> None:
         self._lock = threading.Lock()

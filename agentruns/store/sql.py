@@ -291,6 +291,14 @@ class SqlStore:
         with self._reads.connect() as conn:
             return conn.execute(claimable(run_id)).first() is not None
 
+    def cancels_requested(self, run_ids: list[str]) -> set[str]:
+        """Which of these runs were asked to cancel (one read, for all of them)."""
+        if not run_ids:
+            return set()
+        query = sa.select(R.c.id).where(R.c.id.in_(run_ids), R.c.cancel_requested)
+        with self._reads.connect() as conn:
+            return {row[0] for row in conn.execute(query)}
+
     def renew_claim(self, run_id: str, epoch: int, expires_at: datetime) -> bool | None:
         """Extend the claim; None if this epoch lost the run, else its ``cancel_requested``."""
         with self.engine.begin() as conn:

@@ -295,6 +295,10 @@ class Execution:
         for call in calls:
             if self.reason is Abort.LEASE_LOST:
                 raise LeaseLostError(self.run.id)
+            if self.signal.is_set() and self.reason is not None:
+                # Cancelled, timed out or drained: no call starts after that. The
+                # calls done so far are kept, so a recovery does not repeat them.
+                self._stop_mid_step(pending, tool_steps, index, finish_reason)
             entry = pending.get(call["id"])
             if entry is not None and entry["status"] == "done":
                 continue
@@ -452,15 +456,44 @@ class Execution:
             return
         if self.reason is Abort.LEASE_LOST:
             raise LeaseLostError(self.run.id)
+        status, error = self._aborted_as()
+        self._settle(status, error=error)
+
+    def _aborted_as(self) -> tuple[RunStatus, RunError | None]:
+        """How an execution aborted for ``self.reason`` (not a lost lease) settles."""
         if self.reason is Abort.CANCEL:
-            self._settle(RunStatus.CANCELLED)
+            return RunStatus.CANCELLED, None
         if self.reason is Abort.DRAIN:
-            self._settle(RunStatus.INTERRUPTED)
+            return RunStatus.INTERRUPTED, None
         timeout = (self.run.budget or self.agent.budget).timeout_s
-        self._settle(
-            RunStatus.FAILED,
-            error=RunError(code="timeout", message=f"the execution ran past {timeout} s"),
+        return RunStatus.FAILED, RunError(
+            code="timeout", message=f"the execution ran past {timeout} s"
         )
+
+    def _stop_mid_step(
+        self,
+        pending: dict[str, Any],
+        tool_steps: list[NewStep],
+        index: int,
+        finish_reason: str,
+    ) -> None:
+        """Settle an aborted execution between two tool calls of a step: the calls
+        done are kept as answers pending (as a pause keeps them), the rest run when
+        an interrupted run is recovered."""
+        status, error = self._aborted_as()
+        self._commit(
+            Commit(
+                steps=tool_steps,
+                checkpoint=(index, finish_reason),
+                state=self._state_to_save(),
+                pending=pending,
+                status=status,
+                error=error,
+                waiting=None,
+                release_claim=True,
+            )
+        )
+        raise _Stop
 
     def _settle(
         self,

@@ -713,6 +713,75 @@ def test_drain_then_recover_finishes_the_run_without_losing_or_repeating_a_step(
     assert second.recover() == []
 
 
+def _mid_step_agent(done: list[str], started: threading.Event) -> Agent:
+    """One step of three calls: a slow one that heeds the abort, a charge, a note."""
+
+    @tool
+    def slow(ctx: ToolContext) -> str:
+        """Look something up, slowly."""
+        done.append("slow")
+        started.set()
+        ctx.signal.wait(10)
+        return "aborted" if ctx.signal.is_set() else "found"
+
+    @tool(effect=True)
+    def charge(amount: int) -> str:
+        """Charge a card."""
+        done.append("charge")
+        return f"charged {amount}"
+
+    @tool
+    def note() -> str:
+        """Take a note."""
+        done.append("note")
+        return "noted"
+
+    calls = [tool_use("slow", {}), tool_use("charge", {"amount": 5}), tool_use("note", {})]
+    return Agent("a", ScriptedModel([calls, text("done")]), tools=[slow, charge, note])
+
+
+def test_a_cancel_mid_step_starts_none_of_the_steps_later_calls(
+    make_any_engine: EngineFactory,
+) -> None:
+    done: list[str] = []
+    started = threading.Event()
+    owner = make_any_engine([_mid_step_agent(done, started)])
+    run = owner.dispatch("a", trigger({}))
+    assert started.wait(10)
+    asked = time.monotonic()
+    owner.cancel(run.id)
+    wait_for(lambda: owner.get_run(run.id).status is RunStatus.CANCELLED, timeout=5)
+    assert time.monotonic() - asked < 1.0
+    assert owner.idle(10)
+    assert done == ["slow"]  # not the charge, not the note
+    assert [s.name for s in owner.steps(run.id) if s.kind == "tool"] == ["slow"]
+
+
+def test_a_drain_mid_step_keeps_the_calls_done_and_recovery_runs_the_rest_once(
+    make_any_engine: EngineFactory,
+) -> None:
+    done: list[str] = []
+    started = threading.Event()
+    first = make_any_engine([_mid_step_agent(done, started)])
+    run = first.dispatch("a", trigger({}))
+    assert started.wait(10)
+    first.drain(timeout=5)
+    assert first.get_run(run.id).status is RunStatus.INTERRUPTED
+    assert done == ["slow"]
+
+    second = make_any_engine([_mid_step_agent(done, threading.Event())])
+    assert second.recover() == [run.id]
+    assert second.idle(10)
+    assert second.get_run(run.id).status is RunStatus.COMPLETED
+    assert done == ["slow", "charge", "note"]  # the slow call is not made again
+    tools = [s.name for s in second.steps(run.id) if s.kind == "tool"]
+    assert tools == ["slow", "charge", "note"]
+    checkpoint = second.checkpoint(run.id)
+    assert checkpoint is not None
+    results = checkpoint.messages[2]["content"]
+    assert [r["content"] for r in results] == ["aborted", "charged 5", "noted"]
+
+
 def test_a_drained_thread_run_goes_first_again_and_its_thread_keeps_its_order(
     make_any_engine: EngineFactory,
 ) -> None:

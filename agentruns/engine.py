@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -118,6 +118,8 @@ class Engine:
             self.register(agent)
         self.events = Events(self.report)
         self._keeper = LeaseKeeper(self.leases, self.store, self.owner, lease_ttl, self.report)
+        self._calls = 0  # executions and dispatch_here calls in progress (see idle)
+        self._calls_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(slots)
         self._draining = False
         self._closed = False
@@ -194,6 +196,10 @@ class Engine:
         caller to schedule.
         """
         new = self._new_run(agent, trigger, idempotency_key, concurrency_key, thread, budget)
+        with self._calling():
+            return self._dispatch_here(new)
+
+    def _dispatch_here(self, new: NewRun) -> Run:
         if new.concurrency_key is None and self._slots.acquire(timeout=_SLOT_WAIT_S):
             try:
                 claimed = self._create_claimed(new)
@@ -283,13 +289,27 @@ class Engine:
         # No read first: the claim is the check (a run that is not queued, or not
         # there, costs a lease round trip and a claim that matches nothing).
         run_id = _run_id(run_id)
-        while not self._slots.acquire(timeout=_SLOT_WAIT_S):
-            if self._draining:
-                return self.store.get_run(run_id)
+        with self._calling():
+            while not self._slots.acquire(timeout=_SLOT_WAIT_S):
+                if self._draining:
+                    return self.store.get_run(run_id)
+            try:
+                return self._execute_claimed(run_id)
+            finally:
+                self._slots.release()
+
+    @contextlib.contextmanager
+    def _calling(self) -> Iterator[None]:
+        """An ``execute`` or ``dispatch_here`` in progress, for ``idle``: from before
+        its claim until after what follows a run's release (its notifier, the next
+        run of its key)."""
+        with self._calls_lock:
+            self._calls += 1
         try:
-            return self._execute_claimed(run_id)
+            yield
         finally:
-            self._slots.release()
+            with self._calls_lock:
+                self._calls -= 1
 
     def _execute_claimed(self, run_id: str) -> Run:
         try:
@@ -626,7 +646,7 @@ class Engine:
         """True once nothing runs here, nothing more can start, and events were delivered."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if not self._keeper.busy() and self.scheduler.outstanding() == 0:
+            if not self._calls and not self._keeper.busy() and self.scheduler.outstanding() == 0:
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False

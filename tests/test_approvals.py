@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -25,6 +26,7 @@ from agentruns import (
 )
 from agentruns.events import Event
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.schedulers import ManualScheduler
 from tests.conftest import EngineFactory, Errors, trigger, wait_for
 
 
@@ -296,6 +298,30 @@ def test_an_engine_without_the_runs_agent_refuses_to_answer_and_changes_nothing(
     assert engine.idle(10)
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
     assert calls.names() == ["post_comment"]
+
+
+def test_idle_waits_for_an_execute_called_directly_until_its_notifier_returns(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    called = threading.Event()
+    go_on = threading.Event()
+
+    def notifier(run: Run, wait: WaitPoint, token: str) -> None:
+        called.set()
+        go_on.wait(10)
+
+    agent, _ = comment_agent(calls, notifier=notifier)
+    engine = make_engine([agent], scheduler=ManualScheduler())
+    run = engine.dispatch("triage", trigger({}))
+    executing = threading.Thread(target=engine.execute, args=(run.id,))
+    executing.start()
+    assert called.wait(10)  # the run's lease is let go: only the notifier is left
+    assert not engine.idle(0.2)
+    go_on.set()
+    assert engine.idle(10)
+    waiting = engine.get_run(run.id)
+    assert waiting.waiting is not None and waiting.waiting.notified_at is not None
+    executing.join(5)
 
 
 def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -33,6 +34,7 @@ class Events:
         self._listeners: dict[EventType, list[Listener]] = {t: [] for t in EVENT_TYPES}
         self._lock = threading.Lock()
         self._on_error = on_error
+        self._delivering = threading.local()
 
     def on(self, event_type: EventType, listener: Listener) -> Callable[[], None]:
         if event_type not in self._listeners:
@@ -56,8 +58,20 @@ class Events:
             self._emit(Event("step.appended", step=step))
 
     def _emit(self, event: Event) -> None:
-        for listener in self._listeners[event.type]:
-            try:
-                listener(event)
-            except Exception as exc:
-                self._on_error(exc)
+        # An event a listener causes (it resumes the run, say) waits until every
+        # listener has had the one being delivered: each sees a run's events in order.
+        queued: deque[Event] | None = getattr(self._delivering, "queue", None)
+        if queued is not None:
+            queued.append(event)
+            return
+        queued = self._delivering.queue = deque([event])
+        try:
+            while queued:
+                current = queued.popleft()
+                for listener in self._listeners[current.type]:
+                    try:
+                        listener(current)
+                    except Exception as exc:
+                        self._on_error(exc)
+        finally:
+            self._delivering.queue = None

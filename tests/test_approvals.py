@@ -324,6 +324,29 @@ def test_idle_waits_for_an_execute_called_directly_until_its_notifier_returns(
     executing.join(5)
 
 
+def test_a_listener_that_answers_leaves_the_next_listeners_events_in_order(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    agent, _ = comment_agent(calls)
+    engine = make_engine([agent])
+
+    def approve(event: Event) -> None:
+        if event.run is not None and event.run.status is RunStatus.WAITING:
+            engine.resume(engine.approval_token(event.run.id), approved=True)
+
+    seen: list[Run] = []
+    engine.on("run.updated", approve)
+    engine.on("run.updated", lambda event: seen.append(event.run) if event.run else None)
+    run = engine.dispatch("triage", trigger({}))
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    # Delivered as they happened: the pause, then the answer's requeue, then the rest.
+    statuses = [r.status.value for r in seen]
+    assert statuses.count("waiting") == 1 and statuses[-1] == "completed"
+    assert statuses[statuses.index("waiting") + 1] == "queued", statuses
+    assert [r.updated_at for r in seen] == sorted(r.updated_at for r in seen), statuses
+
+
 def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(
     make_engine: EngineFactory, calls: Calls, errors: Errors
 ) -> None:

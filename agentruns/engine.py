@@ -254,6 +254,13 @@ class Engine:
             if text is not None and not (isinstance(text, str) and is_utf8(text)):
                 raise InvalidTriggerError(f"{what} must be UTF-8 text, not {text!r}")
         thread = thread if thread is not None else envelope.thread
+        for what, text in (
+            ("idempotency_key", idempotency_key if idempotency_key is not None else envelope.id),
+            ("concurrency_key", concurrency_key),
+            ("thread", thread),
+        ):
+            if text == "":  # an unset variable, likely: it would make every run one
+                raise InvalidTriggerError(f"{what} must not be empty (leave it out for none)")
         if concurrency_key is None:
             concurrency_key = found.key_for(envelope)
         if concurrency_key is None and thread is not None:

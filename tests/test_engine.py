@@ -184,6 +184,13 @@ def test_dispatch_refuses_what_no_store_can_keep_storing_nothing(
             engine.dispatch("triage", trigger({}), **{name: "order\x00A"})
     with pytest.raises(InvalidTriggerError, match="NUL"):
         engine.dispatch("triage", trigger({}, id="order\x00A"))
+    # Empty: an unset variable, most likely, which would make all runs one (or one line).
+    for name in ("idempotency_key", "concurrency_key", "thread"):
+        with pytest.raises(InvalidTriggerError, match=f"{name} must not be empty"):
+            engine.dispatch("triage", trigger({}), **{name: ""})
+    for fields in ({"id": ""}, {"thread": ""}):
+        with pytest.raises(InvalidTriggerError, match="must not be empty"):
+            engine.dispatch("triage", trigger({}, **fields))
     assert engine.list_runs() == []
     assert engine.list_runs(agent=lone) == []
     for call in (engine.get_run, engine.steps, engine.checkpoint, engine.cancel, engine.execute):

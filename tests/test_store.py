@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from agentruns import Agent, Engine, LeaseLostError, RunStatus, SqlStore, TriggerEnvelope
-from agentruns.errors import NotMigratedError
+from agentruns.errors import AgentrunsError, NotMigratedError
 from agentruns.migrate import head_revision, migrate
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
@@ -752,3 +752,9 @@ def test_a_cancel_as_the_run_pauses_still_cancels_it(db_url: str) -> None:
     assert done and done[0].status is RunStatus.CANCELLED
     assert store.get_run(run.id).status is RunStatus.CANCELLED
     store.close()
+
+
+def test_a_database_agentruns_cannot_use_is_refused_in_one_clear_error() -> None:
+    for url in ("mysql://root@127.0.0.1/test", "postgresql+psycopg2://postgres@127.0.0.1/test"):
+        with pytest.raises(AgentrunsError, match=r"Postgres .* or SQLite"):
+            SqlStore(url)

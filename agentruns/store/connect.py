@@ -10,6 +10,8 @@ import sqlalchemy as sa
 from psycopg.pq import ExecStatus, TransactionStatus
 from sqlalchemy.engine import Connection, Engine
 
+from agentruns.errors import AgentrunsError
+
 # One encoder for every write: json.dumps with options builds a new one per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
 
@@ -23,10 +25,27 @@ def dumps(value: Any) -> str:
     return _ENCODER.encode(value)
 
 
+def _check_supported(url: str) -> None:
+    """Postgres through psycopg 3, or SQLite: refuse any other database or driver in
+    one line, before SQLAlchemy looks for a driver module that is not there."""
+    try:
+        parsed = sa.make_url(url)
+    except sa.exc.ArgumentError:
+        return  # SQLAlchemy's own message says what is wrong with it
+    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
+    if backend == "sqlite" or (backend == "postgresql" and driver == "psycopg"):
+        return
+    raise AgentrunsError(
+        f"agentruns stores runs in Postgres (postgresql+psycopg://...) or SQLite"
+        f" (sqlite:///...), not {parsed.drivername}:// (check AGENTRUNS_DATABASE_URL)"
+    )
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """A SQLAlchemy engine with compact JSON and, for SQLite, safe concurrent writes."""
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
+    _check_supported(url)
     if url.startswith("sqlite"):
         engine = sa.create_engine(
             url,

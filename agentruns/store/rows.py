@@ -118,10 +118,16 @@ def read_run(row: RowMapping | dict[str, Any]) -> tuple[Run, str | None]:
     return run, None
 
 
+_LOGGED: set[str] = set()  # the damaged rows' problems logged so far
+
+
 def run_from_row(row: RowMapping | dict[str, Any]) -> Run:
-    """The run a row holds (a damaged row reads as ``read_run`` says, and is logged)."""
+    """The run a row holds (a damaged row reads as ``read_run`` says, and is logged
+    once per process: a watcher reads it again on every look)."""
     run, problem = read_run(row)
-    if problem is not None:
+    if problem is not None and problem not in _LOGGED:
+        if len(_LOGGED) < 1000:
+            _LOGGED.add(problem)
         log.warning("cannot read all of %s", problem)
     return run
 

@@ -279,6 +279,16 @@ def test_an_embedded_dispatch_whose_writes_lose_the_database_fails_in_one_line(
     assert len(lines) == 1 and lines[0].startswith("agentruns: error: cannot open the database")
 
 
+def test_tick_says_when_a_notifier_fails(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AGENTRUNS_AGENTS", "tests.support.agents")
+    assert cli.json("dispatch", "pager", "--payload", "{}")["run"]["status"] == "waiting"
+    result = cli.json("tick")
+    assert result["errors"] == ["the pager is down"] and result["notified"] == []
+    code, out, _ = cli("tick")
+    assert code == 0
+    assert "1 failed, the next tick tries again: the pager is down" in out
+
+
 def test_tick_denies_an_expired_approval_and_the_run_goes_on(cli: Cli) -> None:
     hasty = Agent(
         "triage",
@@ -295,7 +305,7 @@ def test_tick_denies_an_expired_approval_and_the_run_goes_on(cli: Cli) -> None:
 
     assert "expired" in cli.fails(2, "approve", token)
     result = cli.json("tick")
-    assert result == {"expired": [run.id], "notified": [], "waiting": 0}
+    assert result == {"expired": [run.id], "notified": [], "waiting": 0, "errors": []}
     steps = cli.json("show", run.id)["run"]["steps"]
     wait = next(s for s in steps if s["kind"] == "wait")
     assert wait["output"]["reason"] == "approval expired"
@@ -353,7 +363,7 @@ def test_json_output_is_json_for_every_command(cli: Cli) -> None:
     assert cli.json("show", run_id)["run"]["waiting"]["tool_name"] == "post_comment"
     assert cli.json("approve", token)["run"]["status"] == "completed"
     assert cli.json("cancel", run_id)["run"]["status"] == "completed"
-    assert set(cli.json("tick")) == {"expired", "notified", "waiting"}
+    assert set(cli.json("tick")) == {"expired", "notified", "waiting", "errors"}
     assert cli.json("runs")["runs"][0]["id"] == run_id
 
 

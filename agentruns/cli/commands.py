@@ -8,7 +8,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentruns.cli import render
-from agentruns.cli.errors import BAD_INPUT, CliError, safe_url
+from agentruns.cli.errors import BAD_INPUT, CliError, first_line, safe_url
 from agentruns.cli.session import Session
 from agentruns.runs import Run, RunStatus, utcnow
 
@@ -142,11 +142,17 @@ def cmd_tick(session: Session, args: argparse.Namespace) -> int:
         if r.waiting and r.waiting.notified_at is None and r.id in after
         if (w := after[r.id].waiting) is not None and w.notified_at is not None
     ]
-    session.json({"expired": expired, "notified": notified, "waiting": len(after)})
+    # What went wrong in a notifier (the engine reported it and went on with the rest).
+    errors = [first_line(exc) for exc in session.reported]
+    session.json(
+        {"expired": expired, "notified": notified, "waiting": len(after), "errors": errors}
+    )
     session.say(
         f"tick: {len(expired)} expired approval(s) denied, {len(notified)} notification(s) "
         f"sent, {len(after)} run(s) waiting"
     )
+    if errors:
+        session.say(f"tick: {len(errors)} failed, the next tick tries again: {errors[0]}")
     return 0
 
 

@@ -111,6 +111,25 @@ effect_agent = Agent(
 )
 
 
+@tool(needs_approval=True)
+def publish(text: str) -> str:
+    """Publish a text (a person approves it first)."""
+    return "published"
+
+
+def _pager_down(run: Any, wait: Any, token: str) -> None:
+    raise RuntimeError("the pager is down")
+
+
+# Its notifier always fails: tick retries it, and says so.
+pager_agent = Agent(
+    "pager",
+    ScriptedModel([tool_use("publish", {"text": "hi"}), text("Published.")]),
+    tools=[publish],
+    notifier=_pager_down,
+)
+
+
 def _charging(name: str, charger: Tool) -> Agent:
     """An agent whose model makes one charge with ``charger``, then answers."""
     script = [tool_use(charger.name, {"amount": 7}), text("Charged.")]

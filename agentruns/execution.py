@@ -307,6 +307,12 @@ class Execution:
                 break
             approved = entry is not None and entry["status"] == "approved"
             again = approved and bool(entry and entry.get("unknown"))
+            if again:
+                # A person approved calling it again after an unknown outcome: that
+                # covers this attempt only. Used up before it starts, so that if its
+                # outcome is unknown too, the person is asked again.
+                pending[call["id"]] = {"status": "approved", "unknown": False}
+                self._commit(Commit(pending=pending))
             started = utcnow()
             outcome = self._tool_call(call, approved, again, pending, tool_steps)
             if outcome is None:

@@ -15,7 +15,7 @@ import pytest
 
 from agentruns import Engine, Run, RunStatus
 from agentruns.schedulers import ManualScheduler
-from tests.conftest import EngineFactory, trigger
+from tests.conftest import EngineFactory, trigger, wait_for
 from tests.support.agents import AGENTS, STEPS, steps_agent
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -212,6 +212,34 @@ def test_unknown_effect_outcome_with_approve_asks_a_human_before_calling_again(
     assert len(charges) == 2 and charges[0] == charges[1]
     answers = [s.output["approved"] for s in rescuer.steps(run.id) if s.kind == "wait"]
     assert answers == [True] * (2 if approve_first else 1)
+
+
+@pytest.mark.parametrize(
+    ("agent", "approve_first"), [("unknown_approve", False), ("approved_ask", True)]
+)
+def test_an_approval_to_call_again_covers_one_attempt_and_another_crash_asks_again(
+    make_engine: EngineFactory, spawn: Any, agent: str, approve_first: bool
+) -> None:
+    rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, agent, approve_first)
+    assert rescuer.get_run(run.id).status is RunStatus.WAITING
+    answerer = make_engine(AGENTS, scheduler=ManualScheduler())
+    answerer.resume(answerer.approval_token(run.id), approved=True)
+
+    second = spawn(run.id, hang="charge")  # the approved attempt dies as the first did
+    wait_for(lambda: len(charge_keys(second)) == 2, "the approved attempt")
+    wait_for(lambda: sum("hanging charge" in line for line in second.lines()) == 2, "its hang")
+    kill9(second)
+    recover_when_lease_expires(rescuer, run.id)
+    assert rescuer.idle(20)
+    waiting = rescuer.get_run(run.id)
+    assert waiting.status is RunStatus.WAITING  # asked again, not called a third time
+    assert len(charge_keys(helper)) == 2
+
+    rescuer.resume(rescuer.approval_token(run.id), approved=True)
+    assert rescuer.idle(20)
+    assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
+    charges = charge_keys(helper)
+    assert len(charges) == 3 and len(set(charges)) == 1
 
 
 def test_a_stopped_owner_loses_the_run_and_writes_nothing_after_it_continues(

@@ -276,7 +276,8 @@ def test_an_embedded_dispatch_whose_writes_lose_the_database_fails_in_one_line(
     # The database is back for the CLI's last read: only the execution's report tells.
     assert code == 1, err
     lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("agentruns: error: cannot open the database")
+    assert len(lines) == 1
+    assert lines[0].startswith(f"agentruns: error: database error on {db_url}: server closed")
 
 
 def test_tick_says_when_a_notifier_fails(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -477,6 +478,21 @@ def test_a_database_that_cannot_be_reached_is_one_line(
         line = cli.fails(1, *argv)
         assert "cannot open the database postgresql+psycopg://postgres@127.0.0.1:1/x" in line
         assert "Connection refused" in line
+
+
+def test_a_database_that_opens_but_fails_is_not_sent_to_migrate(
+    db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The database is there and migrated, but its statements fail (here: they wait on
+    # a lock past statement_timeout; a full disk does the same): "check the URL, run
+    # migrate" would send the person round in a circle.
+    url = f"{db_url}?options=-c%20statement_timeout%3D300"
+    monkeypatch.setenv("AGENTRUNS_DATABASE_URL", url)
+    with psycopg.connect(db_url.replace("+psycopg", "", 1)) as holder:
+        holder.execute("LOCK TABLE agentruns_runs IN ACCESS EXCLUSIVE MODE")
+        line = Cli(capsys, url).fails(1, "runs")
+    assert line.startswith("agentruns: error: database error on ")
+    assert line.endswith(": canceling statement due to statement timeout")
 
 
 def test_redis_down_is_one_line_and_stores_nothing(

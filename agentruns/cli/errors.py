@@ -70,10 +70,10 @@ def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tu
     if isinstance(exc, NotMigratedError):
         cause = exc.__cause__
         if isinstance(cause, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
-            return FAILURE, unreachable_database(database, cause)
+            return FAILURE, database_failure(database, cause)
         return FAILURE, str(exc)
     if isinstance(exc, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
-        return FAILURE, unreachable_database(database, exc)
+        return FAILURE, database_failure(database, exc)
     if isinstance(exc, sqlalchemy.exc.SQLAlchemyError):
         return FAILURE, f"database error on {database}: {first_line(getattr(exc, 'orig', exc))}"
     if isinstance(exc, redis.RedisError):
@@ -84,6 +84,14 @@ def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tu
     if isinstance(exc, AgentrunsError):
         return FAILURE, first_line(exc)
     return FAILURE, f"unexpected {type(exc).__name__}: {first_line(exc)}"
+
+
+def database_failure(database: str, exc: sqlalchemy.exc.DBAPIError) -> str:
+    """A database that could not be opened (the URL, the server, the file) gets advice
+    on those; one that failed a statement (a full disk, a dropped connection), its error."""
+    if exc.statement in (None, "connect"):  # connecting: no statement was sent
+        return unreachable_database(database, exc)
+    return f"database error on {database}: {first_line(exc.orig)}"
 
 
 def unreachable_database(database: str, exc: sqlalchemy.exc.DBAPIError) -> str:

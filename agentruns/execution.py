@@ -425,16 +425,13 @@ class Execution:
             wait = self._wait_point(call)
             pending[call["id"]] = {**entry, "wait": wait.model_dump(mode="json")}
         status = RunStatus.CANCELLED if self.reason is Abort.CANCEL else RunStatus.WAITING
-        committed = self._commit(
-            Commit(
-                steps=tool_steps,
-                checkpoint=(index, finish_reason),
-                state=self._state_to_save(),
-                pending=pending,
-                status=status,
-                waiting=wait if status is RunStatus.WAITING else None,
-                release_claim=True,
-            )
+        committed = self._leave_step(
+            tool_steps,
+            index,
+            finish_reason,
+            pending,
+            status,
+            waiting=wait if status is RunStatus.WAITING else None,
         )
         if status is RunStatus.WAITING and committed.cancel_requested:
             # A cancel came as the run paused (flagged while it ran): a waiting run is
@@ -487,7 +484,23 @@ class Execution:
         done are kept as answers pending (as a pause keeps them), the rest run when
         an interrupted run is recovered."""
         status, error = self._aborted_as()
-        self._commit(
+        self._leave_step(tool_steps, index, finish_reason, pending, status, error=error)
+        raise _Stop
+
+    def _leave_step(
+        self,
+        tool_steps: list[NewStep],
+        index: int,
+        finish_reason: str,
+        pending: dict[str, Any],
+        status: RunStatus,
+        *,
+        waiting: WaitPoint | None = None,
+        error: RunError | None = None,
+    ) -> Run:
+        """Settle with the step unfinished: its tool steps so far, its answers pending
+        (done, or awaiting approval), the checkpoint at the calls."""
+        return self._commit(
             Commit(
                 steps=tool_steps,
                 checkpoint=(index, finish_reason),
@@ -495,11 +508,10 @@ class Execution:
                 pending=pending,
                 status=status,
                 error=error,
-                waiting=None,
+                waiting=waiting,
                 release_claim=True,
             )
         )
-        raise _Stop
 
     def _settle(
         self,

@@ -43,6 +43,15 @@ def pg_url() -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def drop_connections(url: str) -> None:
+    """Every connection to ``url``'s database goes, as in a Postgres restart."""
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(
+            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
+            (url.rpartition("/")[2].split("?")[0],),
+        )
+
+
 @pytest.fixture
 def db_url(pg_url: str) -> str:
     """The session database, emptied before the test."""

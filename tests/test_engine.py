@@ -37,10 +37,10 @@ from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.runs import Run, utcnow
 from agentruns.schedulers import ManualScheduler
 from tests.conftest import (
-    PG_ADMIN,
     REDIS_URL,
     EngineFactory,
     Errors,
+    drop_connections,
     engines_on,
     trigger,
     wait_for,
@@ -881,11 +881,7 @@ def test_a_database_outage_while_recording_an_effect_aborts_the_execution_not_th
         # As a Postgres restart would, just before the effect's intent is recorded.
         if not cut:
             cut.append(True)
-            with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-                admin.execute(
-                    "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
-                    (sa.make_url(db_url).database,),
-                )
+            drop_connections(db_url)
         return False
 
     @tool(effect=True, needs_approval=cut_the_database_once)

@@ -19,7 +19,7 @@ from agentruns.migrate import head_revision, migrate
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
-from tests.conftest import PG_ADMIN, _pg_url, free_port, wait_for
+from tests.conftest import PG_ADMIN, _pg_url, drop_connections, free_port, wait_for
 
 
 def new_run(key: str | None = None, idem: str | None = None) -> NewRun:
@@ -403,12 +403,7 @@ def test_a_broken_hot_connection_sends_the_pools_others_back_to_reconnect(db_url
         connection.cursor().execute("SELECT 1")
     for connection in pooled:
         connection.close()  # back to the pool, idle
-    database = sa.make_url(db_url).database
-    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-        admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
-            (database,),
-        )
+    drop_connections(db_url)
     with pytest.raises(sa.exc.OperationalError):
         store.commit(run, guard, Commit(steps=[_step("lost")]))
     for n in range(6):
@@ -425,12 +420,7 @@ def test_a_broken_connection_elsewhere_sends_the_held_ones_back_to_reconnect(
     store = SqlStore(db_url)
     run, guard = _running(store)
     store.get_run(run.id)  # a read, on a pooled connection other than the held one
-    database = sa.make_url(db_url).database
-    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-        admin.execute(
-            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
-            (database,),
-        )
+    drop_connections(db_url)
     with pytest.raises(sa.exc.OperationalError):
         store.get_run(run.id)
     assert not store.writes.held.idle  # type: ignore[attr-defined]

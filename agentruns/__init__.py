@@ -8,6 +8,7 @@ from agentruns.errors import (
     InvalidTokenError,
     InvalidTriggerError,
     LeaseLostError,
+    NotifierError,
     RunNotFoundError,
     UnknownAgentError,
 )
@@ -42,6 +43,7 @@ __all__ = [
     "LeaseLostError",
     "LocalLeases",
     "LocalScheduler",
+    "NotifierError",
     "RedisLeases",
     "Run",
     "RunContext",

@@ -26,6 +26,7 @@ from agentruns.errors import (
     InvalidTokenError,
     InvalidTriggerError,
     LeaseLostError,
+    NotifierError,
     RunNotFoundError,
     UnknownAgentError,
 )
@@ -461,7 +462,11 @@ class Engine:
                 return
             if current.waiting.notified_at is not None:
                 return
-            agent.notifier(current, current.waiting, approvals.mint(self.secret, run.id, wait))
+            try:
+                agent.notifier(current, current.waiting, approvals.mint(self.secret, run.id, wait))
+            except Exception as exc:
+                # Its own kind: a webhook's OSError is not the store or Redis going away.
+                raise NotifierError(run.id, exc) from exc
             notified = current.waiting.model_copy(update={"notified_at": utcnow()})
             committed = self.store.commit(
                 current,

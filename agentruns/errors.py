@@ -57,3 +57,12 @@ class NotMigratedError(AgentrunsError):
 
 class InvalidCheckpointError(AgentrunsError):
     """The stored transcript cannot be continued (error code ``invalid_checkpoint``)."""
+
+
+class NotifierError(AgentrunsError):
+    """An agent's notifier raised (what it raised is the ``__cause__``). Reported to
+    ``on_error``; nothing else fails with it, and ``tick`` calls the notifier again."""
+
+    def __init__(self, run_id: str, exc: BaseException) -> None:
+        self.run_id = run_id
+        super().__init__(f"the notifier of run {run_id} failed: {type(exc).__name__}: {exc}")

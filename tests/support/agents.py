@@ -118,7 +118,7 @@ def publish(text: str) -> str:
 
 
 def _pager_down(run: Any, wait: Any, token: str) -> None:
-    raise RuntimeError("the pager is down")
+    raise ConnectionRefusedError("the pager is down")  # an OSError, as a webhook's are
 
 
 # Its notifier always fails: tick retries it, and says so.

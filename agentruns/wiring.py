@@ -24,13 +24,19 @@ def load_agents(modules: list[str]) -> list[Agent]:
     cwd = os.getcwd()
     if cwd not in sys.path:
         sys.path.append(cwd)
-    found: list[Agent] = []
+    found: dict[str, tuple[Agent, str]] = {}  # by name: the agent, and its module
     for name in modules:
         module = importlib.import_module(name)
         for value in vars(module).values():
-            if isinstance(value, Agent) and value not in found:
-                found.append(value)
-    return found
+            if not isinstance(value, Agent):
+                continue
+            seen = found.setdefault(value.name, (value, name))
+            if seen[0] is not value:
+                raise AgentrunsError(
+                    f"two agents are named {value.name!r}, in {seen[1]} and {name}"
+                    " (AGENTRUNS_AGENTS): an agent's name picks its runs' code"
+                )
+    return [agent for agent, _ in found.values()]
 
 
 def engine_from_settings(settings: Settings | None = None, **overrides: Any) -> Engine:

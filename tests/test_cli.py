@@ -498,6 +498,22 @@ def test_a_database_that_opens_but_fails_is_not_sent_to_migrate(
     assert line.endswith(": canceling statement due to statement timeout")
 
 
+def test_two_agent_modules_with_one_agent_name_are_refused_in_one_line(
+    cli: Cli, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for module in ("twins_a", "twins_b"):
+        (tmp_path / f"{module}.py").write_text(
+            "from agentruns import Agent\n"
+            "from agentruns.models import ScriptedModel, text\n"
+            "twin = Agent('twin', ScriptedModel([text('ok')]))\n"
+        )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("AGENTRUNS_AGENTS", "twins_a,twins_b")
+    line = cli.fails(1, "dispatch", "twin", "--payload", "{}")
+    assert line.startswith("agentruns: error: two agents are named 'twin', in twins_a and twins_b")
+    assert cli.json("runs")["runs"] == []
+
+
 def test_redis_down_is_one_line_and_stores_nothing(
     cli: Cli, monkeypatch: pytest.MonkeyPatch
 ) -> None:

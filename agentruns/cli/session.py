@@ -16,6 +16,7 @@ from agentruns.agent import Agent
 from agentruns.cli import render
 from agentruns.cli.errors import CliError, first_line, safe_url
 from agentruns.engine import Engine
+from agentruns.errors import AgentrunsError
 from agentruns.events import Event
 from agentruns.leases import LocalLeases
 from agentruns.schedulers import LocalScheduler
@@ -98,6 +99,8 @@ class Session:
         import_path()
         try:
             return load_agents(self.settings.agent_modules)
+        except AgentrunsError as exc:  # they import, but cannot be used together
+            raise CliError(str(exc)) from None
         except Exception as exc:
             raise CliError(
                 f"cannot import the agent modules {self.settings.agents!r} "

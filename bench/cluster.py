@@ -204,7 +204,8 @@ def forget_queue(name: str) -> None:
     """Remove a queue's keys, and its messages a killed worker left unacked."""
     client = redis.Redis.from_url(REDIS_URL)
     try:
-        keys = [*client.scan_iter(f"{name}*"), *client.scan_iter(f"_kombu.binding.{name}*")]
+        patterns = (f"{name}*", f"_kombu.binding.{name}*", f"_kombu.binding_permanent.{name}*")
+        keys = [key for pattern in patterns for key in client.scan_iter(pattern)]
         if keys:
             client.delete(*keys)
         # A killed worker's unacked message would come back after the visibility timeout.

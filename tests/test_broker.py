@@ -268,3 +268,16 @@ def test_a_broker_without_publish_batches_gets_each_send_at_once() -> None:
             assert arrived == [sent.id]
         finally:
             queue.close()
+
+
+def test_forgetting_a_queue_leaves_none_of_its_keys(queue: str) -> None:
+    from agentruns.tasks import dispatch
+
+    dispatch.delay("nobody", {"source": "s", "trigger": "t", "payload": {}})
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        assert any(queue in key.decode() for key in client.scan_iter(f"*{queue}*"))
+        forget_queue(queue)
+        assert list(client.scan_iter(f"*{queue}*")) == []
+    finally:
+        client.close()

@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import psycopg
 import pytest
 import redis
+import sqlalchemy as sa
 
 from agentruns import Engine, LocalLeases, LocalScheduler, RedisLeases, SqlStore
 from agentruns.migrate import migrate
@@ -48,7 +49,7 @@ def drop_connections(url: str) -> None:
     with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
         admin.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
-            (url.rpartition("/")[2].split("?")[0],),
+            (sa.make_url(url).database,),
         )
 
 

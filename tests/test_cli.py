@@ -221,6 +221,21 @@ def test_recover_continues_an_interrupted_run(cli: Cli) -> None:
     assert cli.json("recover") == {"requeued": [], "runs": []}
 
 
+def _interruptible(*argv: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    """``agentruns *argv`` in a process of its own that takes Ctrl-C as a terminal gives
+    it: a test run started in the background of a script inherits SIGINT ignored, and
+    Python would leave it so."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "agentruns.cli", *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
 def test_a_second_ctrl_c_cuts_the_drain_short_without_a_traceback(cli: Cli, tmp_path: Path) -> None:
     # The first Ctrl-C drains, which waits for the tool call in flight: here one that
     # hangs, so only a second Ctrl-C gets the person their prompt back.
@@ -231,15 +246,7 @@ def test_a_second_ctrl_c_cuts_the_drain_short_without_a_traceback(cli: Cli, tmp_
         "AGENTRUNS_TEST_HANG": "note",
         "AGENTRUNS_TEST_LOG": str(log),
     }
-    dispatch = subprocess.Popen(
-        [sys.executable, "-m", "agentruns.cli", "dispatch", "steps", "--payload", "{}"],
-        cwd=ROOT,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    dispatch = _interruptible("dispatch", "steps", "--payload", "{}", env=env)
     try:
         wait_for(lambda: log.exists() and "hanging note" in log.read_text(), "the tool to hang")
         dispatch.send_signal(signal.SIGINT)
@@ -332,17 +339,7 @@ def test_watch_prints_a_runs_history_and_stops_when_it_settles(cli: Cli) -> None
 
 
 def test_watch_follows_runs_another_process_writes(cli: Cli, env: str) -> None:
-    watcher = subprocess.Popen(
-        [sys.executable, "-m", "agentruns.cli", "watch", "--interval", "0.1"],
-        cwd=ROOT,
-        env=os.environ.copy(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        # A test run started in the background of a script inherits SIGINT ignored,
-        # and Python then leaves it so: the watcher gets Ctrl-C as a terminal gives it.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    watcher = _interruptible("watch", "--interval", "0.1", env=os.environ.copy())
     try:
         assert watcher.stdout is not None
         assert watcher.stdout.readline().startswith("watching all runs")

@@ -7,7 +7,6 @@ only its id is stored, so a database leak does not leak usable tokens.
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
 import json
@@ -66,7 +65,7 @@ def verify(secret: str, token: str, now: datetime | None = None) -> TokenClaims:
     if not isinstance(token, str) or token.count(".") != 1:
         raise InvalidTokenError("malformed")
     body, signature = token.split(".")
-    try:
+    try:  # unsigned yet: whatever it holds is only "malformed"
         raw = json.loads(_unb64(body))
         claims = TokenClaims(
             run_id=str(raw["r"]),
@@ -76,7 +75,9 @@ def verify(secret: str, token: str, now: datetime | None = None) -> TokenClaims:
             call_hash=str(raw["h"]),
         )
         _unb64(signature)
-    except (ValueError, KeyError, TypeError, binascii.Error, OverflowError):
+    except (ValueError, KeyError, TypeError, OverflowError, OSError, RecursionError):
+        # (binascii.Error is a ValueError.) OSError and OverflowError: an expiry no
+        # date can hold; RecursionError: JSON nested deeper than the parser goes.
         raise InvalidTokenError("malformed") from None
     if not hmac.compare_digest(signature, _sign(secret, body)):
         raise InvalidTokenError("bad_signature")

@@ -102,6 +102,9 @@ class Engine:
         self.store.check_schema()
         self.leases: Leases = leases if leases is not None else LocalLeases()
         self.scheduler: Scheduler = scheduler if scheduler is not None else LocalScheduler()
+        if secret == "":
+            # An empty HMAC key signs tokens anyone who reads a waiting run can forge.
+            raise ValueError("secret must not be empty (None: a random one for this process)")
         if secret is None:
             warnings.warn(
                 "Engine has no secret: resume tokens will only be valid in this process",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from functools import cache
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The longest time any setting in seconds may name (a year): a lease's expiry, a
@@ -29,6 +29,12 @@ class Settings(BaseSettings):
     recover_interval: float = Field(default=15.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     # The Celery queue: several deployments (or test sessions) can share one Redis.
     queue: str = "agentruns"
+
+    @field_validator("secret")
+    @classmethod
+    def _empty_secret_is_unset(cls, value: str | None) -> str | None:
+        # `AGENTRUNS_SECRET=` in an env file means "not set", not "sign with no key".
+        return value or None
 
     @property
     def agent_modules(self) -> list[str]:

@@ -136,7 +136,8 @@ def test_dispatch_with_the_same_idempotency_key_returns_the_same_run(cli: Cli) -
 
 def test_approve_by_token_runs_the_effect_tool_and_completes_the_run(cli: Cli) -> None:
     run_id, token = cli.waiting_run()
-    code, out, err = cli("approve", token, "--reason", "reads well")
+    # As pasted from a message, with the line's end and a stray space.
+    code, out, err = cli("approve", f" {token}\n", "--reason", "reads well")
     assert code == 0, err
     assert "approved post_comment" in out
     assert "step 4   tool post_comment" in out

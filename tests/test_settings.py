@@ -57,6 +57,19 @@ def test_an_engine_built_for_several_processes_needs_their_shared_secret(sqlite_
     engine_from_settings(settings.model_copy(update={"secret": "shared"})).close()
 
 
+def test_an_empty_secret_is_unset_in_settings_and_refused_by_an_engine(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An empty HMAC key would sign tokens that anyone who reads a waiting run can forge.
+    monkeypatch.setenv("AGENTRUNS_SECRET", "")
+    assert Settings().secret is None
+    with pytest.raises(ValueError, match="secret must not be empty"):
+        Engine(SqlStore(sqlite_url), leases=LocalLeases(), secret="")
+    settings = Settings(database_url=sqlite_url, redis_url=REDIS_URL, agents="")
+    with pytest.raises(AgentrunsError, match="AGENTRUNS_SECRET is not set"):
+        engine_from_settings(settings)
+
+
 def test_closing_the_event_publisher_on_a_stalled_redis_neither_hangs_nor_breaks() -> None:
     # A "Redis" that accepts connections and never answers: the publisher's thread
     # is stuck in a command, and its queue is full.

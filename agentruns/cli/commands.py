@@ -89,7 +89,8 @@ def cmd_answer(session: Session, args: argparse.Namespace) -> int:
             raise CliError(
                 f"run {run.id} is {run.status.value}, not waiting on an approval", BAD_INPUT
             )
-    token = args.token if args.token is not None else engine.approval_token(args.run)
+    # A token pasted from a message often brings a newline or spaces; it has neither.
+    token = args.token.strip() if args.token is not None else engine.approval_token(args.run)
     session.follow()
     run = engine.resume(token, approved=approved, reason=args.reason)
     asked = next((s for s in reversed(engine.steps(run.id)) if s.kind == "wait"), None)

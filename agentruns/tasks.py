@@ -138,10 +138,14 @@ def _task(name: str) -> Callable[[F], Any]:
 def _retrying_outages(task: Any) -> Iterator[None]:
     """Retry the task while the database or Redis is away or the database is not
     migrated (also when the worker's engine cannot be built for that); let anything
-    else through."""
+    else through, and everything when the task runs eagerly, in its caller."""
     try:
         yield
     except Exception as exc:
+        if task.request.is_eager:
+            # Celery retries an eager task at once, inside itself, with no countdown:
+            # through an outage, that ends in a RecursionError. The caller gets the error.
+            raise
         if isinstance(exc, NotMigratedError) or Engine.is_infrastructure_error(exc):
             delay = min(_RETRY_BACKOFF_MAX_S, 2**task.request.retries)
             raise task.retry(exc=exc, countdown=delay) from exc

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -14,6 +15,7 @@ from celery import Celery
 from kombu import Connection
 from redis.connection import AbstractConnection
 
+from agentruns import Engine, SqlStore
 from agentruns.broker import TRANSPORT, Transport
 from agentruns.celery import _pick_transport
 from bench.cluster import forget_queue
@@ -228,6 +230,24 @@ def test_an_eager_task_runs_here_and_sends_nothing(
     result = tasks.tick.delay()
     assert result.successful() and ticked == [True]
     assert trips.sent == [] and _queued_ids(queue) == []
+
+
+def test_an_eager_task_fails_on_an_outage_instead_of_retrying_in_itself(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An eager retry runs the task again at once, inside itself: retrying an
+    unmigrated database (or an outage) that way ended in a RecursionError."""
+    from agentruns import tasks
+    from agentruns.errors import NotMigratedError
+
+    def engine() -> Engine:  # the worker's engine, on a database never migrated
+        return Engine(SqlStore(f"sqlite:///{tmp_path / 'new.db'}"), secret="s")
+
+    monkeypatch.setattr(tasks, "get_engine", engine)
+    monkeypatch.setitem(tasks.app.conf, "task_always_eager", True)
+    result = tasks.dispatch.delay("quick", trigger({}))
+    assert result.failed()
+    assert isinstance(result.result, NotMigratedError), result.result
 
 
 def test_a_dispatch_that_fails_inside_a_callers_batch_leaves_the_rest_of_it(

@@ -319,6 +319,21 @@ def _on_worker_shutting_down(**_: Any) -> None:
     the runs for another worker.
     """
     _shutting_down.set()
+    _drain_pool()
+
+
+def begin_shutdown() -> None:
+    """The worker stops (its consumer closes): drain, unless a signal already did.
+
+    Celery sends ``worker_shutting_down`` only from its signal handlers; a remote
+    ``shutdown`` command stops the worker without it, and the pool would otherwise
+    wait for every run in flight to finish."""
+    if not _shutting_down.is_set():
+        _shutting_down.set()
+        _drain_pool()
+
+
+def _drain_pool() -> None:
     pool = _pool
     kind = _pool_kind(pool) if pool is not None else "thread"
     if kind == "prefork":

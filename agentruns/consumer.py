@@ -1,4 +1,6 @@
-"""The worker's Celery consumer: Celery's own, sending task events in batches.
+"""The worker's Celery consumer: Celery's own, sending task events in batches, and
+draining the worker's runs when it stops for a reason no signal told (a remote
+``celery control shutdown``).
 
 With task events on (for Flower), a worker sends three events per task. Celery
 buffers them and publishes whatever is buffered at the event loop's next turn;
@@ -48,6 +50,14 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         self._event_flush_at = None  # events sent from now on arm the next flush
         if self.event_dispatcher is not None:
             self.event_dispatcher.flush()
+
+    def close(self) -> None:
+        # Celery's worker calls this first when it stops, warm or cold, for any cause
+        # (its own Consumer has no such method). Signals already drained the runs;
+        # a remote `celery control shutdown` sends none, so it drains here.
+        from agentruns.celery import begin_shutdown
+
+        begin_shutdown()
 
     def shutdown(self) -> None:
         # What is still buffered goes out before the dispatcher closes.

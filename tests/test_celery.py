@@ -12,6 +12,7 @@ import os
 import re
 import runpy
 import signal
+import socket
 import threading
 import time
 import uuid
@@ -270,6 +271,26 @@ def test_sigterm_drains_the_worker_and_recover_lets_another_finish(
     assert len(cluster.tool_calls("charge", run.id)) == 1
     assert cluster.tool_calls("note", run.id)[-1] == survivor.pid
     assert_replayed_once(engine, done, CHARGE_SCRIPT)
+
+
+def test_a_remote_shutdown_drains_the_worker_as_sigterm_does(
+    cluster: Cluster, engine: Engine, leases: RedisLeases, celery_app: Any, queue: str
+) -> None:
+    # `celery control shutdown` sends the worker no signal: before its consumer
+    # drained on closing, the worker waited for its runs to finish (the charger's
+    # model takes seconds per step) and the run completed there.
+    (worker,) = cluster.workers("w1")
+    run = engine.dispatch("charger", trigger({"card": "4242"}))
+    wait_for(lambda: engine.steps(run.id), "the first step to be saved")
+    assert cluster.holder(run.id, leases) is worker
+
+    stopped = time.monotonic()
+    celery_app.control.shutdown(destination=[f"w1-{queue}@{socket.gethostname()}"])
+    assert worker.popen.wait(timeout=10) == 0
+    assert time.monotonic() - stopped < 5.0
+    interrupted = engine.get_run(run.id)
+    assert interrupted.status is RunStatus.INTERRUPTED, interrupted
+    assert interrupted.claim is None
 
 
 def test_runs_whose_messages_were_lost_are_rescheduled_by_recover(

@@ -25,6 +25,7 @@ from typing import Any, TypeVar
 from celery import Task
 from celery.exceptions import Reject
 from celery.utils.saferepr import saferepr
+from celery.worker.request import Request
 
 from agentruns.broker import send_together
 from agentruns.celery import app, get_engine, shutting_down
@@ -53,6 +54,9 @@ class _Task(Task):  # type: ignore[misc]
     a large payload also cost a producer about a fifth of its CPU per send.)
     """
 
+    # What a worker lists of a task it holds (Flower's worker page, `celery inspect`).
+    Request = "agentruns.tasks:_Request"
+
     def apply_async(
         self,
         args: Any = None,
@@ -73,6 +77,16 @@ class _Task(Task):  # type: ignore[misc]
             return Task.apply_async(self, args, kwargs, sent_id, pooled, *rest, **options)
 
         return send_together(self.app, send, producer, task_id)
+
+
+class _Request(Request):  # type: ignore[misc]
+    """A task a worker holds, listed as its events show it: ``inspect scheduled``,
+    ``reserved`` and ``revoked`` (and Flower's worker page, which calls them) ask
+    for Celery's raw arguments; only ``active`` asks for the shown ones."""
+
+    def info(self, safe: bool = False) -> dict[str, Any]:
+        info: dict[str, Any] = super().info(safe=True)
+        return info
 
 
 def _arguments_shown(task: Any, args: Any, kwargs: Any) -> tuple[str, str]:

@@ -618,6 +618,34 @@ def test_task_events_show_no_trigger_payload_and_no_resume_token(
     assert run.trigger.payload == {"card": "4111-SECRET"}
 
 
+def test_what_a_worker_lists_of_its_held_tasks_shows_no_payload_and_no_token(
+    cluster: Cluster, celery_app: Any, queue: str
+) -> None:
+    """Flower's worker page and ``celery inspect scheduled`` list what a worker holds
+    (a ``resume`` retrying an outage waits as one) with Celery's raw arguments,
+    unless the task's request says otherwise; agentruns' requests show what the
+    task events show."""
+    from agentruns.tasks import dispatch, resume
+
+    cluster.workers("w1")
+    later = {"countdown": 60}
+    held = {
+        resume.apply_async(("TOKEN-SECRET.sig", True), **later).id,
+        dispatch.apply_async(("quick", trigger({"card": "4111-SECRET"})), **later).id,
+    }
+    inspect = celery_app.control.inspect(destination=[f"w1-{queue}@{socket.gethostname()}"])
+
+    def listed() -> list[dict[str, Any]] | None:
+        entries = [e["request"] for per in (inspect.scheduled() or {}).values() for e in per]
+        return entries if held <= {e["id"] for e in entries} else None
+
+    for request in wait_for(listed, "the worker to hold both tasks"):
+        text = f"{request['args']} {request['kwargs']}"
+        assert "SECRET" not in text, request
+        assert "<resume token>" in text or "<payload>" in text, request
+    celery_app.control.revoke(list(held))
+
+
 def test_what_a_task_shows_of_its_arguments_stays_within_celerys_bound() -> None:
     """Celery cuts its own ``argsrepr`` at 1,024 characters; the one agentruns gives
     instead is cut there too, and an argument whose ``repr`` fails still shows."""

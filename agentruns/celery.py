@@ -270,6 +270,14 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     _pool = getattr(sender, "pool", None)
     limit = getattr(_pool, "limit", None)
     _slots = limit if isinstance(limit, int) and limit > 0 else None
+    # The sender is the worker's consumer; its controller holds the pool's limits.
+    soft = getattr(getattr(sender, "controller", None), "soft_time_limit", None)
+    if soft:
+        log.warning(
+            "agentruns: its tasks ignore the worker's soft time limit (%s s): it would "
+            "raise inside a tool at any point; Budget.timeout_s bounds a run instead",
+            soft,
+        )
     if _pool is not None and _pool_kind(_pool) != "prefork":
         # This process runs the tasks. Fail loudly at start (unmigrated database,
         # unknown agent module), not per task; tasks try again until it works.

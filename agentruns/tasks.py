@@ -40,6 +40,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Expected errors: reported as the task's failure, logged without a traceback, never retried.
 _EXPECTED = (AgentrunsError,)
 _RETRY_BACKOFF_MAX_S = 60
+_NO_SOFT_LIMIT_S = 10.0**9  # no hard limit either: a soft limit that never comes
 
 
 class _Task(Task):  # type: ignore[misc]
@@ -56,6 +57,16 @@ class _Task(Task):  # type: ignore[misc]
 
     # What a worker lists of a task it holds (Flower's worker page, `celery inspect`).
     Request = "agentruns.tasks:_Request"
+
+    @property
+    def soft_time_limit(self) -> float:
+        """No soft limit of the worker's (``--soft-time-limit``, ``task_soft_time_limit``)
+        reaches these tasks: it raises inside the task wherever it is, so an effect
+        tool whose side effect happened would be recorded as failed. This one is the
+        hard limit, which the pool checks first, or none at all (``Budget.timeout_s``
+        bounds a run and settles it cleanly)."""
+        hard: float | None = self.time_limit
+        return hard if hard else _NO_SOFT_LIMIT_S
 
     def apply_async(
         self,

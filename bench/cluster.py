@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -111,8 +111,14 @@ class Cluster:
         self.procs.append(proc)
         return proc
 
-    def workers(self, *names: str, pool: str = "threads", concurrency: int = 8) -> list[Proc]:
-        """Start workers and wait until each one consumes."""
+    def workers(
+        self,
+        *names: str,
+        pool: str = "threads",
+        concurrency: int = 8,
+        options: Sequence[str] = (),
+    ) -> list[Proc]:
+        """Start workers (with more command-line ``options``); wait until each consumes."""
         procs = [
             self._start(
                 name,
@@ -130,6 +136,7 @@ class Cluster:
                     "--without-heartbeat",
                     "-l",
                     "INFO",
+                    *options,
                 ],
             )
             for name in names

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -91,10 +91,15 @@ class Cluster(BaseCluster):
         self.tool_log = Path(env["AGENTRUNS_TEST_LOG"])
 
     def workers(
-        self, *names: str, beat: bool = False, pool: str = "threads", concurrency: int = 8
+        self,
+        *names: str,
+        beat: bool = False,
+        pool: str = "threads",
+        concurrency: int = 8,
+        options: Sequence[str] = (),
     ) -> list[Proc]:
         """Start workers (and beat); return once every one has started."""
-        procs = super().workers(*names, pool=pool, concurrency=concurrency)
+        procs = super().workers(*names, pool=pool, concurrency=concurrency, options=options)
         if beat:
             self.beat()
         return procs
@@ -514,6 +519,23 @@ def test_prefork_children_have_their_own_engines_and_drain_on_sigterm(
     interrupted = engine.get_run(run.id)
     assert interrupted.status is RunStatus.INTERRUPTED
     assert interrupted.claim is None
+
+
+def test_a_workers_soft_time_limit_does_not_cut_into_a_run(
+    cluster: Cluster, engine: Engine
+) -> None:
+    """A soft limit raises inside the task wherever it is: in an effect tool after
+    its side effect, the call was recorded as failed (and the model told so). The
+    worker's limit is ignored for agentruns' tasks, and it says so at start."""
+    (worker,) = cluster.workers(
+        "w1", pool="prefork", concurrency=1, options=["--soft-time-limit=1"]
+    )
+    run = engine.dispatch("charger", trigger({"card": "4242"}))  # five 0.4 s model calls
+    done = wait_for(lambda: completed(engine, run.id), "the run to complete", 30)
+    assert done.output == "Charged."
+    assert [s.error for s in engine.steps(run.id) if s.error] == []
+    assert len(cluster.tool_calls("charge", run.id)) == 1
+    assert "ignore the worker's soft time limit" in worker.output()
 
 
 def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:

@@ -552,6 +552,23 @@ def test_a_store_speaks_utf8_whatever_the_client_encoding(db_url: str) -> None:
     store.close()
 
 
+def test_a_store_reads_its_times_whatever_the_date_style_and_time_zone(db_url: str) -> None:
+    # A role's or database's DateStyle other than ISO made psycopg refuse every
+    # timestamp it read (after a dispatch had stored its run); a TimeZone other
+    # than UTC printed times with the server's offset.
+    options = "-c datestyle=SQL,DMY -c timezone=Asia/Kathmandu"
+    store = SqlStore(db_url, connect_args={"options": options})
+    before = utcnow()
+    run, guard = _running(store)  # created, then claimed through the hot path
+    store.commit(run, guard, Commit(steps=[_step()], messages=[{"role": "user", "content": "x"}]))
+    for read in (store.get_run(run.id), *store.list_runs()):
+        for at in (read.created_at, read.updated_at, read.claim.expires_at):  # type: ignore[union-attr]
+            assert at.utcoffset() == timedelta(0)
+            assert before - timedelta(seconds=1) < at < utcnow() + timedelta(minutes=5)
+    assert [s.started_at.utcoffset() for s in store.steps(run.id)] == [timedelta(0)]
+    store.close()
+
+
 def test_a_connection_comes_back_from_a_transaction_block_idle_and_autocommit(
     db_url: str,
 ) -> None:

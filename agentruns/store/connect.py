@@ -93,7 +93,7 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     connect_args = {k: v for k, v in _TCP.items() if k not in given}
     kwargs["connect_args"] = {**connect_args, **kwargs.get("connect_args", {})}
     engine = sa.create_engine(url, json_serializer=dumps, **kwargs)
-    sa.event.listen(engine, "connect", _speak_utf8)
+    sa.event.listen(engine, "connect", _session_settings)
     sa.event.listen(engine, "reset", _rollback_if_in_transaction)
     return engine
 
@@ -111,16 +111,26 @@ _TCP = {
 }
 
 
-def _speak_utf8(dbapi_conn: Any, _record: Any) -> None:
-    """Every Postgres connection of a store speaks UTF-8, whatever its role, database or
-    ``options`` default to: runs hold any text a model or a tool produces, and the hot
-    path sends its parameters as UTF-8."""
-    if dbapi_conn.info.encoding != "utf-8":
+def _session_settings(dbapi_conn: Any, _record: Any) -> None:
+    """Every Postgres connection of a store speaks UTF-8 and ISO dates in UTC, whatever
+    its role, database or ``options`` default to: runs hold any text a model or a
+    tool produces, the hot path sends its parameters as UTF-8, psycopg reads dates
+    only in ``DateStyle`` ISO, and times read back in UTC print the same whatever
+    the server's ``TimeZone``. Only what differs is set (usually nothing)."""
+    info = dbapi_conn.info
+    wanted = []
+    if info.encoding != "utf-8":
+        wanted.append(b"client_encoding TO 'UTF8'")
+    if not (info.parameter_status("DateStyle") or "ISO").startswith("ISO"):
+        wanted.append(b"DateStyle TO 'ISO'")
+    if info.parameter_status("TimeZone") not in ("UTC", "Etc/UTC", None):
+        wanted.append(b"TimeZone TO 'UTC'")
+    for setting in wanted:
         # Through libpq, so psycopg opens no transaction around it whatever its mode.
-        result = dbapi_conn.pgconn.exec_(b"SET client_encoding TO 'UTF8'")
+        result = dbapi_conn.pgconn.exec_(b"SET " + setting)
         if result.status != ExecStatus.COMMAND_OK:
             message = result.error_message.decode(errors="replace").strip()
-            raise psycopg.OperationalError(f"cannot switch the connection to UTF-8: {message}")
+            raise psycopg.OperationalError(f"cannot set {setting.decode()}: {message}")
 
 
 def _rollback_if_in_transaction(dbapi_conn: Any, _record: Any, state: Any) -> None:

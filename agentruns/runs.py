@@ -72,7 +72,8 @@ class Usage(_Model):
 class Budget(_Model):
     max_steps: int = Field(default=25, ge=1)
     max_tokens: int | None = Field(default=None, ge=1)
-    timeout_s: float | None = Field(default=None, gt=0)
+    # Finite: a budget is stored as JSON, which has no infinity.
+    timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
 def _check_json(value: Any) -> Any:

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 import redis
 import sqlalchemy as sa
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
 
 from agentruns import (
     Agent,
@@ -247,6 +247,19 @@ def test_dispatch_budget_overrides_the_agents(make_engine: EngineFactory) -> Non
     run = _run_to_end(engine, budget=Budget(max_steps=2))
     assert run.error is not None and run.error.code == "step_budget_exceeded"
     assert run.steps_used == 2
+
+
+def test_a_budget_without_a_finite_timeout_is_refused_storing_nothing(
+    make_engine: EngineFactory,
+) -> None:
+    # An infinite timeout passed as a limit, then Postgres refused its JSON with a
+    # raw DataError.
+    engine = make_engine([Agent("a", ScriptedModel([text("hi")]))])
+    with pytest.raises(InvalidTriggerError, match="timeout_s"):
+        engine.dispatch("a", trigger({}), budget={"timeout_s": float("inf")})
+    with pytest.raises(ValidationError):
+        Budget(timeout_s=float("inf"))
+    assert engine.list_runs() == []
 
 
 def test_a_dispatch_budget_replaces_only_the_limits_it_names(make_engine: EngineFactory) -> None:

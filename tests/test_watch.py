@@ -10,8 +10,10 @@ import sys
 import time
 from pathlib import Path
 
+import redis
+
 from agentruns import Agent, Engine, LocalLeases, RedisLeases, RunStatus, SqlStore, tool
-from agentruns.broadcast import summary
+from agentruns.broadcast import channel, subscribe, summary
 from agentruns.cli.session import Session
 from agentruns.cli.watch import _Follower
 from agentruns.models import ScriptedModel, text, tool_use
@@ -124,3 +126,48 @@ def test_a_running_event_that_comes_after_a_later_look_is_not_shown(sqlite_url: 
         assert shown == ["queued", "running", "waiting", "cancelled"], lines
     finally:
         engine.close()
+
+
+def test_a_watcher_forgets_settled_runs_that_left_its_window(sqlite_url: str) -> None:
+    # A watcher left running for months kept an entry per run it ever saw, and one
+    # per run of another deployment it heard start.
+    engine = Engine(
+        SqlStore(sqlite_url),
+        leases=LocalLeases(),
+        scheduler=ManualScheduler(),
+        agents=[Agent("a", ScriptedModel([text("ok")]))],
+        secret="s",
+    )
+    try:
+        follower = _Follower(Session(as_json=True, out=io.StringIO()), engine, history=False)
+        runs = [engine.dispatch("a", trigger({})) for _ in range(3)]
+        follower.poll(runs, baseline=True)
+        for run in runs:
+            engine.execute(run.id)
+        follower.poll([engine.get_run(r.id) for r in runs], baseline=False)
+        follower.heard({"run_id": "elsewhere", "status": "running"})
+        later = engine.dispatch("a", trigger({}))
+        follower.poll([engine.get_run(later.id)], baseline=False)  # the others left
+        assert set(follower.status) == set(follower.updated) == set(follower.steps) == {later.id}
+        assert follower.started == {}
+    finally:
+        engine.close()
+
+
+def test_events_that_arrive_together_are_read_in_one_wakeup() -> None:
+    # A watcher looked at the store once per event, fell behind a busy deployment,
+    # and its unread events piled up in Redis.
+    prefix = f"watch-batch-{os.getpid()}"
+    wakeups = subscribe(REDIS_URL, prefix=prefix, timeout=0.2)
+    try:
+        assert next(wakeups) is None  # subscribed, and quiet
+        publisher = redis.Redis.from_url(REDIS_URL)
+        for i in range(50):
+            publisher.publish(channel(prefix), json.dumps({"run_id": str(i)}))
+        publisher.publish(channel(prefix), "not json")
+        publisher.close()
+        time.sleep(0.3)
+        batch = next(wakeups)
+        assert batch is not None and [e["run_id"] for e in batch] == [str(i) for i in range(50)]
+    finally:
+        wakeups.close()

@@ -65,6 +65,20 @@ class _Follower:
             if changed and run.status is not RunStatus.RUNNING:
                 self._run(run)
             self.status[run.id] = run.status
+        self._forget(runs)
+
+    def _forget(self, runs: list[Run]) -> None:
+        """Keep only what a later look can need (a watcher may run for months): a run
+        that left the watched window settled never changes again, and a start heard
+        of a run the look did not show is another deployment's."""
+        shown = {run.id for run in runs}
+        for run_id in [r for r, status in self.status.items() if status.is_final]:
+            if run_id not in shown:
+                del self.status[run_id]
+                self.updated.pop(run_id, None)
+                self.steps.pop(run_id, None)
+        for run_id in [r for r in self.started if r not in shown]:
+            del self.started[run_id]
 
     def heard(self, event: dict[str, object]) -> None:
         """An event published by an engine: note when a run started running, unless
@@ -146,11 +160,15 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
         stop = "it settles" if until_final else "Ctrl-C"
         session.emit(f"watching {target} every {interval:g}s until {stop}")
     try:
-        for event in _wakeups(session, interval):
-            if event is not None and run_id is not None and event.get("run_id") != run_id:
-                continue
-            if event is not None:
-                follower.heard(event)
+        for events in _wakeups(session, interval):
+            if events is not None:
+                # One look for all the events that came together, and none for
+                # another run's (or another deployment's) only.
+                mine = [e for e in events if run_id is None or e.get("run_id") == run_id]
+                if not mine:
+                    continue
+                for event in mine:
+                    follower.heard(event)
             follower.poll(_runs(engine, run_id), baseline=False)
             if until_final and follower.settled():
                 break
@@ -159,8 +177,8 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
     return 0
 
 
-def _wakeups(session: Session, interval: float) -> Iterator[dict[str, object] | None]:
-    """When to look again: on every event published over Redis, else every ``interval``."""
+def _wakeups(session: Session, interval: float) -> Iterator[list[dict[str, object]] | None]:
+    """When to look again: on the events published over Redis, else every ``interval``."""
     redis_url = session.settings.redis_url
     if redis_url:
         yield from subscribe(redis_url, timeout=interval)

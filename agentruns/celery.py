@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from celery import Celery, signals
 from celery.utils.imports import cwd_in_path
 from kombu.entity import Exchange, Queue
+from kombu.utils.url import maybe_sanitize_url
 
 from agentruns.broker import transport_for
 from agentruns.settings import get_settings
@@ -153,6 +154,34 @@ def _configured(sender: Celery, **_: Any) -> None:
     conf = sender.conf
     _follow_default_queue(conf, _apply_celeryconfig(conf))
     _pick_transport(sender)
+    _say_what_overrode_the_environment(conf)
+
+
+def _say_what_overrode_the_environment(conf: Any) -> None:
+    """Warn when the broker or queue that ``AGENTRUNS_*`` variables name is not the one
+    this app uses: Celery's ``CELERY_BROKER_URL`` beats every app's ``broker_url``,
+    and a ``celeryconfig`` module (a team's own, for its own app, in the working
+    directory) has the last word. Either sends this app's messages where no
+    agentruns worker may read them, and points its workers at another queue."""
+    s = get_settings()
+    env = os.environ
+    named = "AGENTRUNS_BROKER_URL" if "AGENTRUNS_BROKER_URL" in env else "AGENTRUNS_REDIS_URL"
+    by = "CELERY_BROKER_URL" if env.get("CELERY_BROKER_URL") else _config_module()
+    if named in env and s.effective_broker_url and conf.broker_url != s.effective_broker_url:
+        log.warning(
+            "agentruns: the Celery broker is %s, set by %s, not %s from %s",
+            maybe_sanitize_url(conf.broker_url),
+            by,
+            maybe_sanitize_url(s.effective_broker_url),
+            named,
+        )
+    if "AGENTRUNS_QUEUE" in env and conf.task_default_queue != s.queue:
+        log.warning(
+            "agentruns: the Celery queue is %r, set by %s, not %r from AGENTRUNS_QUEUE",
+            conf.task_default_queue,
+            _config_module(),
+            s.queue,
+        )
 
 
 def _follow_default_queue(conf: Any, module_set: set[str]) -> None:
@@ -172,6 +201,12 @@ def _follow_default_queue(conf: Any, module_set: set[str]) -> None:
             if (fixed.get(task) or {}).get("queue") not in consumed:
                 fixed[task] = {"queue": sweeps}
         conf.task_routes = fixed
+
+
+def _config_module() -> str:
+    with cwd_in_path():
+        spec = importlib.util.find_spec("celeryconfig")
+    return f"celeryconfig ({spec.origin})" if spec is not None else "the configuration"
 
 
 def _pick_transport(sender: Celery, **_: Any) -> None:

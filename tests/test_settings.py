@@ -168,3 +168,31 @@ def test_workers_consume_the_queue_a_celeryconfig_sends_to(
     conf = _probe_celeryconfig(tmp_path, lines)
     assert conf["queues"] == ["custom", "custom.sweeps"]
     assert conf["recover_queue"] == "custom.sweeps"
+
+
+def test_a_broker_or_queue_other_than_the_environment_names_is_said(tmp_path: Path) -> None:
+    # A team's own celeryconfig.py in the working directory, or Celery's own
+    # CELERY_BROKER_URL, silently sent agentruns' messages elsewhere.
+    (tmp_path / "celeryconfig.py").write_text('task_default_queue = "team_q"\n')
+    env = {
+        **os.environ,
+        "AGENTRUNS_DATABASE_URL": "sqlite:///x.db",
+        "AGENTRUNS_BROKER_URL": "redis://127.0.0.1:6379/13",
+        "AGENTRUNS_QUEUE": "ours",
+        "CELERY_BROKER_URL": "redis://:hunter2@127.0.0.1:6379/14",
+        "PYTHONPATH": str(ROOT),
+    }
+    probe = "from agentruns.celery import app; app.conf.task_default_queue"
+    said = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    ).stderr
+    assert "the Celery broker is redis://:**@127.0.0.1:6379/14, set by CELERY_BROKER_URL" in said
+    assert "not redis://127.0.0.1:6379/13 from AGENTRUNS_BROKER_URL" in said
+    assert "the Celery queue is 'team_q', set by celeryconfig (" in said
+    assert "hunter2" not in said

@@ -32,6 +32,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("agentruns")
 
+# How far apart two hosts' clocks may be without a sweep sent by one (beat)
+# looking expired to the other (a worker).
+CLOCK_SKEW_S = 60.0
+
 # How long warm shutdown waits for in-flight runs to settle ``interrupted``;
 # a tool call in progress is never cut short, so this bounds the wait, not the work.
 DRAIN_TIMEOUT_S = 10.0
@@ -120,17 +124,19 @@ def defaults() -> dict[str, Any]:
         # Celery's consumer, publishing those events in batches (agentruns.consumer).
         "worker_consumer": "agentruns.consumer:Consumer",
         # Sweeps, safe when two beats run. `expires` drops a sweep no worker picked
-        # up before the next one was due, so a backlog never piles up.
+        # up within a minute after the next one was due, so a backlog never piles
+        # up. Celery stamps it with beat's clock and checks it with the worker's:
+        # the minute keeps a clock a little off from dropping every sweep.
         "beat_schedule": {
             "agentruns.tick": {
                 "task": "agentruns.tick",
                 "schedule": s.tick_interval,
-                "options": {"expires": s.tick_interval},
+                "options": {"expires": s.tick_interval + CLOCK_SKEW_S},
             },
             "agentruns.recover": {
                 "task": "agentruns.recover",
                 "schedule": s.recover_interval,
-                "options": {"expires": s.recover_interval},
+                "options": {"expires": s.recover_interval + CLOCK_SKEW_S},
             },
         },
     }

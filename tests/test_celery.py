@@ -552,7 +552,25 @@ def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:
     assert settings["worker_send_task_events"] and settings["task_send_sent_event"]
     schedule = settings["beat_schedule"]
     assert {entry["task"] for entry in schedule.values()} == {"agentruns.tick", "agentruns.recover"}
-    assert all(entry["options"]["expires"] == entry["schedule"] for entry in schedule.values())
+    assert all(entry["options"]["expires"] > entry["schedule"] for entry in schedule.values())
+
+
+def test_a_sweep_from_a_beat_whose_clock_is_behind_is_still_run(cluster: Cluster) -> None:
+    # Celery stamps `expires` with the sender's clock and checks it with the
+    # worker's: when it was the interval alone, a beat 30 s behind the workers
+    # had every tick and recover dropped as expired.
+    from datetime import UTC, datetime, timedelta
+
+    from agentruns.tasks import tick
+
+    (worker,) = cluster.workers("w1")
+    expires = defaults()["beat_schedule"]["agentruns.tick"]["options"]["expires"]
+    beats_now = datetime.now(UTC) - timedelta(seconds=30)
+    sent = tick.apply_async(expires=beats_now + timedelta(seconds=expires))
+    task = rf"agentruns\.tick\[{sent.id}\]"
+    ran_or_dropped = rf"{task} succeeded|Discarding revoked task: {task}"
+    done = wait_for(lambda: re.search(ran_or_dropped, worker.output()), "the worker to take it")
+    assert "succeeded" in done.group(0)
 
 
 def test_producer_messages_retry_an_outage_for_as_long_as_it_lasts() -> None:

@@ -478,6 +478,29 @@ def test_a_threads_second_run_starts_from_the_first_runs_messages(
     assert json.loads(sent[2]["content"])["payload"] == {"q": 2}
 
 
+def test_a_threads_runs_go_in_the_order_they_were_stored_whatever_the_clocks(
+    make_any_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ordered by the senders' clocks, a run sent later by a host whose clock was
+    # behind went first.
+    from agentruns.store import sql
+
+    model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"))
+    engine = make_any_engine([Agent("a", model)], scheduler=ManualScheduler())
+    real = sql.utcnow
+
+    def clock_off_by(seconds: float) -> None:
+        monkeypatch.setattr(sql, "utcnow", lambda: real() + timedelta(seconds=seconds))
+
+    first = engine.dispatch("a", trigger({"q": 1}), thread="chat")
+    clock_off_by(-30)  # the second is sent from a host whose clock is behind
+    second = engine.dispatch("a", trigger({"q": 2}), thread="chat")
+    clock_off_by(0)
+    assert engine.execute(second.id).status is RunStatus.QUEUED  # not its turn
+    assert engine.execute(first.id).output == "answer 1"
+    assert engine.execute(second.id).output == "answer 3"
+
+
 def _own_messages(engine: Engine) -> dict[str, int]:
     """How many message rows each run stored itself, by run id."""
     with engine.store.engine.connect() as conn:

@@ -249,6 +249,8 @@ class SqlStore:
                     R.c.status == RunStatus.COMPLETED.value,
                     R.c.id != run_id,
                 )
+                # The last to complete: a run that waited for an approval while the
+                # thread went on may complete after runs stored later.
                 .order_by(R.c.finished_at.desc())
                 .limit(1)
             ).first()
@@ -466,7 +468,7 @@ class SqlStore:
                     R.c.concurrency_key == concurrency_key,
                     R.c.status == RunStatus.QUEUED.value,
                 )
-                .order_by(R.c.created_at, R.c.id)
+                .order_by(R.c.key)  # stored first (see claim.sql)
                 .limit(1)
             ).first()
             return row[0] if row else None

@@ -122,10 +122,7 @@ def _in_turn() -> Any:
         sa.select(older.c.id).where(
             older.c.concurrency_key == R.c.concurrency_key,
             older.c.status.in_(_AHEAD),
-            sa.or_(
-                older.c.created_at < R.c.created_at,
-                sa.and_(older.c.created_at == R.c.created_at, older.c.id < R.c.id),
-            ),
+            older.c.key < R.c.key,  # stored before it (see claim.sql)
         )
     )
     return sa.or_(R.c.concurrency_key.is_(None), no_older)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
 import threading
 import uuid
+import weakref
 from datetime import timedelta
 
 import psycopg
@@ -765,3 +767,17 @@ def test_a_database_agentruns_cannot_use_is_refused_in_one_clear_error() -> None
     for url in ("mysql://root@127.0.0.1/test", "postgresql+psycopg2://postgres@127.0.0.1/test"):
         with pytest.raises(AgentrunsError, match=r"Postgres .* or SQLite"):
             SqlStore(url)
+
+
+def test_a_closed_store_leaves_nothing_alive(db_url: str) -> None:
+    # The held connections' error listener sat on the engine's dialect, which
+    # SQLAlchemy's caches keep: every closed store stayed in memory (up to 128).
+    stores = [SqlStore(db_url) for _ in range(3)]
+    alive = [weakref.ref(store.engine) for store in stores]
+    for store in stores:
+        _running(store)  # its writes held a connection
+        store.check_schema()  # SQLAlchemy's caches meet its dialect here
+        store.close()
+    del stores, store
+    gc.collect()
+    assert [ref() for ref in alive] == [None, None, None]

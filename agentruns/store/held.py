@@ -110,6 +110,14 @@ class Held(Generic[S]):
                 pooled.invalidate(soft=True)  # reconnects when next checked out
             pooled.close()
 
+    def close(self) -> None:
+        """Give them all back, and stop listening to the engine: the listener sits
+        on its dialect, which SQLAlchemy's caches keep, and would keep this engine
+        (and its store) alive after the store's ``close``."""
+        self.release()
+        if sa.event.contains(self.engine, "handle_error", self._on_error):
+            sa.event.remove(self.engine, "handle_error", self._on_error)
+
     def drop(self) -> None:
         """Give them all back to be reconnected: a connection broke."""
         self.release(invalidate=True)

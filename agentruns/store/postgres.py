@@ -108,8 +108,8 @@ class Statements:
         self.held = Held(engine, _Session.of)
 
     def release(self) -> None:
-        """Give the connections held between writes back to the pool."""
-        self.held.release()
+        """Give the connections held between writes back to the pool, for good."""
+        self.held.close()
 
     def create(
         self, new: NewRun, now: datetime, claim: tuple[str, datetime] | None = None

@@ -311,6 +311,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     _pool = getattr(sender, "pool", None)
     limit = getattr(_pool, "limit", None)
     _slots = limit if isinstance(limit, int) and limit > 0 else None
+    _say_if_the_sweeps_queue_is_not_consumed(sender)
     # The sender is the worker's consumer; its controller holds the pool's limits.
     soft = getattr(getattr(sender, "controller", None), "soft_time_limit", None)
     if soft:
@@ -326,6 +327,24 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
             get_engine()
         except Exception:
             log.exception("agentruns: could not build the engine; tasks will fail until fixed")
+
+
+def _say_if_the_sweeps_queue_is_not_consumed(consumer: Any) -> None:
+    """A worker started with ``-Q`` naming the runs' queue alone never gets beat's
+    sweeps: if no worker does, approvals never expire and lost runs stay lost."""
+    queue = getattr(getattr(consumer, "app", None), "conf", {}).get("task_default_queue")
+    task_consumer = getattr(consumer, "task_consumer", None)
+    if not isinstance(queue, str) or task_consumer is None:
+        return
+    consumed = {q.name for q in task_consumer.queues}
+    if queue in consumed and sweeps_queue(queue) not in consumed:
+        log.warning(
+            "agentruns: this worker does not consume %r, where beat sends tick and "
+            "recover; unless another worker does, they never run (-Q %s,%s)",
+            sweeps_queue(queue),
+            queue,
+            sweeps_queue(queue),
+        )
 
 
 def _on_worker_process_init(**_: Any) -> None:

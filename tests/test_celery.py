@@ -555,6 +555,16 @@ def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:
     assert all(entry["options"]["expires"] > entry["schedule"] for entry in schedule.values())
 
 
+def test_a_worker_that_does_not_consume_the_sweeps_queue_says_so(
+    cluster: Cluster, queue: str
+) -> None:
+    # `-Q` with the runs' queue alone: beat's tick and recover never reach it.
+    (narrow,) = cluster.workers("narrow", options=["-Q", queue])
+    (full,) = cluster.workers("full")
+    assert f"does not consume '{sweeps_queue(queue)}'" in narrow.output()
+    assert "does not consume" not in full.output()
+
+
 def test_a_sweep_from_a_beat_whose_clock_is_behind_is_still_run(cluster: Cluster) -> None:
     # Celery stamps `expires` with the sender's clock and checks it with the
     # worker's: when it was the interval alone, a beat 30 s behind the workers

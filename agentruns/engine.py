@@ -626,7 +626,13 @@ class Engine:
     def _requeue(self, ref: RunRef, now: datetime) -> bool:
         if ref.status is RunStatus.RUNNING:
             if ref.claim_expires_at is not None and ref.claim_expires_at > now:
-                return False
+                # A live claim, unless its owner's clock is ahead of ours: no owner
+                # renews a claim further than its TTL ahead. With shared leases the
+                # lease then says (a dead owner's claim would hold the run back by
+                # the skew); without, the claim is all there is to go by.
+                ahead = ref.claim_expires_at > now + timedelta(seconds=self.lease_ttl)
+                if not ahead or getattr(self.leases, "process_local", False):
+                    return False
             if self.leases.holder(ref.id) is not None:
                 return False
         elif ref.status is RunStatus.QUEUED and self.leases.holder(ref.id) is not None:

@@ -8,12 +8,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from agentruns import Engine, Run, RunStatus
+from agentruns.runs import utcnow
 from agentruns.schedulers import ManualScheduler
 from tests.conftest import EngineFactory, trigger, wait_for
 from tests.support.agents import AGENTS, STEPS, steps_agent
@@ -49,10 +51,14 @@ def spawn(
     monkeypatch.setenv("AGENTRUNS_TEST_LOG", str(log))
     procs: list[subprocess.Popen[bytes]] = []
 
-    def start(run_id: str, hang: str | None = None, lease_ttl: float = 1.0) -> Helper:
+    def start(
+        run_id: str, hang: str | None = None, lease_ttl: float = 1.0, clock_ahead: float = 0
+    ) -> Helper:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "AGENTRUNS_TEST_LOG": str(log)}
         if hang:
             env["AGENTRUNS_TEST_HANG"] = hang
+        if clock_ahead:
+            env["AGENTRUNS_TEST_CLOCK_AHEAD"] = str(clock_ahead)
         proc = subprocess.Popen(
             [
                 sys.executable,
@@ -119,6 +125,25 @@ def test_recovered_run_never_asks_the_model_again_for_a_saved_response(
     calls_here = steps_agent.model.calls[before:]  # type: ignore[attr-defined]
     turns_here = [sum(m["role"] == "assistant" for m in c) for c in calls_here]
     assert min(turns_here) >= saved  # nothing the dead process saved was asked again
+
+
+def test_a_killed_worker_whose_clock_was_ahead_is_recovered_once_its_lease_expires(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    # Its claim's expiry, written by its own clock, lay 40 s in the future: recover
+    # waited for that, though its lease in Redis had expired after 1 s.
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("steps", trigger({"n": 1}))
+    helper = spawn(run.id, clock_ahead=40)
+    helper.wait_for_line("note two")
+    kill9(helper)
+    claim = producer.get_run(run.id).claim
+    assert claim is not None and claim.expires_at > utcnow() + timedelta(seconds=30)
+
+    rescuer = make_engine(AGENTS)
+    recover_when_lease_expires(rescuer, run.id, timeout=10)
+    assert rescuer.idle(20)
+    assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
 
 
 def test_effect_tool_runs_once_when_killed_after_it_ran_before_its_step_was_saved(

@@ -164,6 +164,18 @@ def test_deny_by_run_mints_the_token_and_tells_the_model(cli: Cli) -> None:
     assert not any(s["kind"] == "tool" and s["name"] == "post_comment" for s in steps)
 
 
+def test_a_token_read_from_stdin_stays_out_of_the_command_line(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # On the command line, a token shows in `ps` and in the shell's history.
+    run_id, token = cli.waiting_run()
+    monkeypatch.setattr("sys.stdin", io.StringIO(f"{token}\n"))
+    result = cli.json("deny", "-", "--reason", "no")
+    assert result["run"]["id"] == run_id and result["run"]["status"] == "completed"
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert "(malformed)" in cli.fails(2, "approve", "-")
+
+
 def test_runs_lists_newest_first_and_filters(cli: Cli) -> None:
     waiting, _ = cli.waiting_run()
     done, _ = cli.waiting_run()

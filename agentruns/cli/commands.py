@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -90,7 +91,12 @@ def cmd_answer(session: Session, args: argparse.Namespace) -> int:
                 f"run {run.id} is {run.status.value}, not waiting on an approval", BAD_INPUT
             )
     # A token pasted from a message often brings a newline or spaces; it has neither.
-    token = args.token.strip() if args.token is not None else engine.approval_token(args.run)
+    if args.token == "-":
+        token = sys.stdin.readline().strip()
+    elif args.token is not None:
+        token = args.token.strip()
+    else:
+        token = engine.approval_token(args.run)
     session.follow()
     run = engine.resume(token, approved=approved, reason=args.reason)
     asked = next((s for s in reversed(engine.steps(run.id)) if s.kind == "wait"), None)

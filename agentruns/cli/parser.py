@@ -76,7 +76,12 @@ def build() -> Parser:
 
     for name, verb in (("approve", "approve"), ("deny", "deny")):
         p = command(name, f"{verb} the tool call a run is waiting on", commands.cmd_answer)
-        p.add_argument("token", nargs="?", metavar="TOKEN", help="the resume token")
+        p.add_argument(
+            "token",
+            nargs="?",
+            metavar="TOKEN",
+            help="the resume token; - reads it from stdin (out of ps and shell history)",
+        )
         p.add_argument("--run", metavar="RUN", help="mint the run's current token with the secret")
         p.add_argument("--reason", help="recorded in the wait step; a denial tells the model")
 

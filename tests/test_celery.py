@@ -565,7 +565,9 @@ def test_a_worker_that_does_not_consume_the_sweeps_queue_says_so(
     assert "does not consume" not in full.output()
 
 
-def test_a_sweep_from_a_beat_whose_clock_is_behind_is_still_run(cluster: Cluster) -> None:
+def test_a_sweep_from_a_beat_whose_clock_is_behind_is_still_run(
+    cluster: Cluster, queue: str
+) -> None:
     # Celery stamps `expires` with the sender's clock and checks it with the
     # worker's: when it was the interval alone, a beat 30 s behind the workers
     # had every tick and recover dropped as expired.
@@ -576,7 +578,11 @@ def test_a_sweep_from_a_beat_whose_clock_is_behind_is_still_run(cluster: Cluster
     (worker,) = cluster.workers("w1")
     expires = defaults()["beat_schedule"]["agentruns.tick"]["options"]["expires"]
     beats_now = datetime.now(UTC) - timedelta(seconds=30)
-    sent = tick.apply_async(expires=beats_now + timedelta(seconds=expires))
+    # To the sweeps queue, as beat sends it (this process's routes may predate the
+    # session's queue).
+    sent = tick.apply_async(
+        expires=beats_now + timedelta(seconds=expires), queue=sweeps_queue(queue)
+    )
     task = rf"agentruns\.tick\[{sent.id}\]"
     ran_or_dropped = rf"{task} succeeded|Discarding revoked task: {task}"
     done = wait_for(lambda: re.search(ran_or_dropped, worker.output()), "the worker to take it")

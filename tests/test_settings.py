@@ -113,19 +113,30 @@ print(json.dumps(conf))
 """
 
 
-def _probe_celeryconfig(tmp_path: Path, lines: list[str]) -> dict[str, Any]:
-    """The Celery configuration a process gets with this celeryconfig.py beside it."""
+def _beside_celeryconfig(
+    tmp_path: Path, lines: list[str], code: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` in a process with this celeryconfig.py beside it."""
     (tmp_path / "celeryconfig.py").write_text("\n".join(lines) + "\n")
-    env = {**os.environ, "AGENTRUNS_DATABASE_URL": "sqlite:///x.db", "PYTHONPATH": str(ROOT)}
-    out = subprocess.run(
-        [sys.executable, "-c", CONF_PROBE],
+    return subprocess.run(
+        [sys.executable, "-c", code],
         cwd=tmp_path,
-        env=env,
+        env={
+            **os.environ,
+            "AGENTRUNS_DATABASE_URL": "sqlite:///x.db",
+            "PYTHONPATH": str(ROOT),
+            **(env or {}),
+        },
         capture_output=True,
         text=True,
         timeout=60,
         check=True,
-    ).stdout
+    )
+
+
+def _probe_celeryconfig(tmp_path: Path, lines: list[str]) -> dict[str, Any]:
+    """The Celery configuration a process gets with this celeryconfig.py beside it."""
+    out = _beside_celeryconfig(tmp_path, lines, CONF_PROBE).stdout
     conf: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
     return conf
 
@@ -173,25 +184,13 @@ def test_workers_consume_the_queue_a_celeryconfig_sends_to(
 def test_a_broker_or_queue_other_than_the_environment_names_is_said(tmp_path: Path) -> None:
     # A team's own celeryconfig.py in the working directory, or Celery's own
     # CELERY_BROKER_URL, silently sent agentruns' messages elsewhere.
-    (tmp_path / "celeryconfig.py").write_text('task_default_queue = "team_q"\n')
     env = {
-        **os.environ,
-        "AGENTRUNS_DATABASE_URL": "sqlite:///x.db",
         "AGENTRUNS_BROKER_URL": "redis://127.0.0.1:6379/13",
         "AGENTRUNS_QUEUE": "ours",
         "CELERY_BROKER_URL": "redis://:hunter2@127.0.0.1:6379/14",
-        "PYTHONPATH": str(ROOT),
     }
     probe = "from agentruns.celery import app; app.conf.task_default_queue"
-    said = subprocess.run(
-        [sys.executable, "-c", probe],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    ).stderr
+    said = _beside_celeryconfig(tmp_path, ['task_default_queue = "team_q"'], probe, env).stderr
     assert "the Celery broker is redis://:**@127.0.0.1:6379/14, set by CELERY_BROKER_URL" in said
     assert "not redis://127.0.0.1:6379/13 from AGENTRUNS_BROKER_URL" in said
     assert "the Celery queue is 'team_q', set by celeryconfig (" in said

@@ -20,8 +20,9 @@ from __future__ import annotations
 import dataclasses
 import threading
 import uuid
+from collections.abc import Callable
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from agentruns import transcript
 from agentruns.agent import Agent, RunContext
@@ -31,7 +32,16 @@ from agentruns.errors import (
     LeaseLostError,
 )
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
-from agentruns.runs import Budget, Run, RunError, RunStatus, Usage, WaitPoint, utcnow
+from agentruns.runs import (
+    Budget,
+    Run,
+    RunError,
+    RunStatus,
+    Usage,
+    WaitPoint,
+    storable_text,
+    utcnow,
+)
 from agentruns.store.base import Claimed, Commit, Committed, Guard, NewStep, Store
 from agentruns.toolcalls import EffectOutcomeUnknown, Outcome, ToolCaller, Wait
 from agentruns.tools import StateHolder, Tool
@@ -59,8 +69,28 @@ class Abort(StrEnum):
     LEASE_LOST = "lease_lost"
 
 
+T = TypeVar("T")
+
+
 class _Stop(Exception):
     """Internal: the execution has settled, paused, or must stop writing."""
+
+
+class _AgentCodeFailed(Exception):
+    """Internal: the agent's own code (its instructions or tools callable) raised. The
+    run fails: what it raised, an ``OSError`` included, is no outage of agentruns'
+    to wait out, and would raise again in every recovery."""
+
+    def __init__(self, what: str, raised: Exception) -> None:
+        super().__init__(f"{what}: {type(raised).__name__}: {raised}")
+        self.raised = raised
+
+
+def _agents_own(what: str, call: Callable[[], T]) -> T:
+    try:
+        return call()
+    except Exception as exc:
+        raise _AgentCodeFailed(what, exc) from exc
 
 
 class Execution:
@@ -103,6 +133,10 @@ class Execution:
             self._settle_quietly(
                 RunStatus.FAILED, RunError(code="invalid_checkpoint", message=str(exc))
             )
+        except _AgentCodeFailed as exc:
+            self.engine.report(exc.raised)
+            error = RunError(code="internal_error", message=str(exc))
+            self._settle_quietly(RunStatus.FAILED, error)
         except Exception as exc:
             self.engine.report(exc)
             if not self.engine.is_infrastructure_error(exc):
@@ -134,7 +168,7 @@ class Execution:
                 self._settle(RunStatus.COMPLETED, output=transcript.text_of(tail))
             self._run_tools(messages, calls, pending, self.run.steps_used - 1, "tool_use")
 
-        system = self.agent.system_prompt(ctx)
+        system = _agents_own("instructions", lambda: self.agent.system_prompt(ctx))
         specs = [t.spec for t in self.caller.tools.values()]
         while True:
             self._check_abort()
@@ -190,7 +224,7 @@ class Execution:
         tools: list[Tool] = []
         if self.agent.state is not None:
             tools += make_state_tools(self.agent.state, self.state)
-        tools += self.agent.tools_for(ctx)
+        tools += _agents_own("tools", lambda: self.agent.tools_for(ctx))
         by_name: dict[str, Tool] = {}
         for t in tools:
             if t.name in by_name:
@@ -381,7 +415,7 @@ class Execution:
                         kind="tool",
                         name=call["name"],
                         input=call["input"],
-                        error={"code": code, "message": str(exc)},
+                        error={"code": code, "message": storable_text(str(exc))},
                         started_at=now,
                         finished_at=now,
                     )

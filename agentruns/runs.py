@@ -104,6 +104,14 @@ def is_utf8(text: str) -> bool:
     return True
 
 
+def storable_text(text: str) -> str:
+    """``text`` as UTF-8 can hold it: a lone surrogate (from undecodable bytes, e.g. a
+    file name in an exception's message) becomes its ``\\udcxx`` escape."""
+    if is_utf8(text):
+        return text
+    return text.encode("utf-8", "backslashreplace").decode()
+
+
 class TriggerEnvelope(_Model):
     source: str
     trigger: str
@@ -138,6 +146,12 @@ class WaitPoint(_Model):
 class RunError(_Model):
     code: str
     message: str
+
+    @field_validator("message")
+    @classmethod
+    def _storable(cls, value: str) -> str:
+        # What an error says often quotes what caused it: the error must be stored anyway.
+        return storable_text(value)
 
 
 class Claim(_Model):

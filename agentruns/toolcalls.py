@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agentruns.errors import FatalToolError
-from agentruns.runs import Run
+from agentruns.runs import Run, storable_text
 from agentruns.store.base import EffectRecord, Store
 from agentruns.tools import Tool, ToolContext, ToolInputError, result_content
 
@@ -142,6 +142,7 @@ def ok(value: Any) -> Outcome:
 
 
 def error(code: str, message: str) -> Outcome:
+    message = storable_text(message)  # it may quote undecodable bytes (a file name)
     return Outcome(content=message, is_error=True, error={"code": code, "message": message})
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -24,6 +25,7 @@ from agentruns import (
     InvalidTriggerError,
     LeaseLostError,
     LocalLeases,
+    RunContext,
     RunNotFoundError,
     RunStatus,
     ToolContext,
@@ -209,6 +211,54 @@ def _run_to_end(engine: Any, agent: str = "a", **kwargs: Any) -> Any:
     run = engine.dispatch(agent, trigger({}), **kwargs)
     assert engine.idle(10)
     return engine.get_run(run.id)
+
+
+def test_the_agents_own_code_failing_fails_the_run_once(
+    make_engine: EngineFactory, errors: Errors
+) -> None:
+    # An OSError from the agent's instructions (a prompt file gone) was taken for
+    # an outage: the run stayed running, and every recover() ran it into the same
+    # error. A message quoting undecodable bytes could not even be stored.
+    def prompt(ctx: RunContext) -> str:
+        raise FileNotFoundError(2, "No such file or directory", "prompts/triage.txt")
+
+    def tools(ctx: RunContext) -> list[Any]:
+        raise ValueError("no tools for " + os.fsdecode(b"caf\xe9.txt"))
+
+    model = ScriptedModel([text("never")])
+    engine = make_engine(
+        [Agent("a", model, instructions=prompt), Agent("b", model, tools=tools)],
+        requeue_after=0.1,
+    )
+    for agent, said in (
+        ("a", "instructions: FileNotFoundError: [Errno 2] No such file or directory"),
+        ("b", "tools: ValueError: no tools for caf\\udce9.txt"),
+    ):
+        run = _run_to_end(engine, agent)
+        assert run.status is RunStatus.FAILED, run
+        assert run.error is not None and run.error.code == "internal_error"
+        assert run.error.message.startswith(said), run.error.message
+        assert run.claim is None
+    assert engine.recover() == []
+    assert model.calls == []
+    assert [type(e) for e in errors] == [FileNotFoundError, ValueError]
+
+
+def test_a_tool_error_quoting_undecodable_bytes_goes_to_the_model(
+    make_engine: EngineFactory,
+) -> None:
+    # It failed the whole run with internal_error (UnicodeEncodeError).
+    @tool
+    def open_file() -> str:
+        """Open the file."""
+        raise ValueError("unsupported file type: " + os.fsdecode(b"r\xe9sum\xe9.doc"))
+
+    model = ScriptedModel([tool_use("open_file", {}), text("Could not open it.")])
+    run = _run_to_end(make_engine([Agent("a", model, tools=[open_file])]))
+    assert run.status is RunStatus.COMPLETED, run.error
+    result = model.calls[1][-1]["content"][0]
+    assert result["is_error"] is True
+    assert result["content"] == "ValueError: unsupported file type: r\\udce9sum\\udce9.doc"
 
 
 def test_step_budget_fails_the_run_with_its_code(make_engine: EngineFactory) -> None:

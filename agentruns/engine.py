@@ -66,6 +66,8 @@ log = logging.getLogger("agentruns")
 
 # How long an execution waits for a free slot before looking again (drain, fallback).
 _SLOT_WAIT_S = 0.2
+# The shortest time the lock around a notifier call is taken for (it is renewed).
+_NOTIFY_LOCK_S = 30.0
 # The concurrency key of a run in a thread with none of its own: this, then its name.
 _THREAD_KEY = "thread:"
 _INFRASTRUCTURE = (
@@ -123,6 +125,7 @@ class Engine:
         self.events = Events(self.report)
         self._keeper = LeaseKeeper(self.leases, self.store, self.owner, lease_ttl, self.report)
         self._calls = 0  # executions and dispatch_here calls in progress (see idle)
+        self._local = threading.local()  # executions on this thread's stack
         self._calls_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(slots)
         self._draining = False
@@ -204,13 +207,20 @@ class Engine:
             return self._dispatch_here(new)
 
     def _dispatch_here(self, new: NewRun) -> Run:
-        if new.concurrency_key is None and self._slots.acquire(timeout=_SLOT_WAIT_S):
+        nested = self._inside_execution()
+        if new.concurrency_key is None and (nested or self._slots.acquire(timeout=_SLOT_WAIT_S)):
+            run: Run | None = None
             try:
                 claimed = self._create_claimed(new)
                 if claimed is not None:
-                    return self._run_claimed(claimed)
+                    with self._executing():
+                        run = self._run_claimed(claimed)
             finally:
-                self._slots.release()
+                if not nested:
+                    self._slots.release()
+            if run is not None:
+                self._after_run(run)
+                return run
         run, created = self.store.create_run(new)
         if created:
             self.events.run_updated(run)
@@ -301,13 +311,41 @@ class Engine:
         # there, costs a lease round trip and a claim that matches nothing).
         run_id = _run_id(run_id)
         with self._calling():
-            while not self._slots.acquire(timeout=_SLOT_WAIT_S):
+            # One called from inside an execution (a listener's, a tool's) runs on that
+            # execution's thread and slot: waiting for a slot of its own could wait for
+            # itself.
+            nested = self._inside_execution()
+            while not nested and not self._slots.acquire(timeout=_SLOT_WAIT_S):
                 if self._draining:
                     return self.store.get_run(run_id)
             try:
-                return self._execute_claimed(run_id)
+                with self._executing():
+                    run, ran = self._execute_claimed(run_id)
             finally:
-                self._slots.release()
+                if not nested:
+                    self._slots.release()
+            if ran:
+                self._after_run(run)
+            return run
+
+    def _inside_execution(self) -> bool:
+        """Is this thread inside one of this engine's executions (a tool, a listener)?"""
+        return getattr(self._local, "executing", 0) > 0
+
+    @contextlib.contextmanager
+    def _executing(self) -> Iterator[None]:
+        self._local.executing = getattr(self._local, "executing", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.executing -= 1
+
+    def _not_inside_execution(self, call: str) -> None:
+        if self._inside_execution():
+            raise RuntimeError(
+                f"{call} cannot be called from inside one of this engine's executions "
+                "(a tool or listener): it would wait for that execution, which waits for it"
+            )
 
     @contextlib.contextmanager
     def _calling(self) -> Iterator[None]:
@@ -322,13 +360,15 @@ class Engine:
             with self._calls_lock:
                 self._calls -= 1
 
-    def _execute_claimed(self, run_id: str) -> Run:
+    def _execute_claimed(self, run_id: str) -> tuple[Run, bool]:
+        """The run after this engine claimed and executed it (and True), or as it is
+        when it could not be claimed (and False)."""
         try:
             if self._draining or not self.leases.acquire(run_id, self.owner, self.lease_ttl):
-                return self.store.get_run(run_id)
+                return self.store.get_run(run_id), False
         except Exception as exc:
             self.report(exc)
-            return self.store.get_run(run_id)
+            return self.store.get_run(run_id), False
         try:
             claimed = self.store.claim(run_id, self.owner, self._keeper.expiry())
         except Exception:
@@ -339,8 +379,8 @@ class Engine:
             run = self.store.get_run(run_id)
             if run.status is RunStatus.QUEUED and run.concurrency_key is not None:
                 self._nudge_if_claimable(run_id)
-            return run
-        return self._run_claimed(claimed)
+            return run, False
+        return self._run_claimed(claimed), True
 
     def _nudge_if_claimable(self, run_id: str) -> None:
         """A keyed run's claim judged its key as it stood when the claim began: an
@@ -385,13 +425,17 @@ class Engine:
                     run = self._fail(run, claimed.epoch, error)
         finally:
             self._release_lease(run_id)
+        return run
+
+    def _after_run(self, run: Run) -> None:
+        """What follows an execution, once its slot is free for another: announcing
+        its wait (a notifier may take long), scheduling its key's next run."""
         if run.status is RunStatus.WAITING:
             self._paused(run)
         key = run.concurrency_key
         # An interrupted run goes first again once recover() requeues it.
         if key is not None and run.status not in (RunStatus.RUNNING, RunStatus.INTERRUPTED):
             self._schedule_next(key)
-        return run
 
     def _paused(self, run: Run) -> None:
         """After a run paused and its lease is let go: announce the wait, unless it was
@@ -453,8 +497,9 @@ class Engine:
             return
         # One notifier call at a time per wait point, across every engine and tick.
         lock_id = f"notify:{wait.token_id}"
+        ttl = max(self.lease_ttl, _NOTIFY_LOCK_S)
         try:
-            if not self.leases.acquire(lock_id, self.owner, max(self.lease_ttl, 30.0)):
+            if not self.leases.acquire(lock_id, self.owner, ttl):
                 return
         except Exception as exc:
             self.report(exc)
@@ -465,8 +510,12 @@ class Engine:
                 return
             if current.waiting.notified_at is not None:
                 return
+            token = approvals.mint(self.secret, run.id, wait)
             try:
-                agent.notifier(current, current.waiting, approvals.mint(self.secret, run.id, wait))
+                # Held for as long as the notifier takes (a slow webhook): a tick
+                # meanwhile would otherwise call it again.
+                with self._holding(lock_id, ttl):
+                    agent.notifier(current, current.waiting, token)
             except Exception as exc:
                 # Its own kind: a webhook's OSError is not the store or Redis going away.
                 raise NotifierError(run.id, exc) from exc
@@ -485,6 +534,27 @@ class Engine:
                 self.leases.release(lock_id, self.owner)
             except Exception as exc:
                 self.report(exc)
+
+    @contextlib.contextmanager
+    def _holding(self, lock_id: str, ttl: float) -> Iterator[None]:
+        """Renew a lease this engine holds every third of ``ttl`` until the block ends."""
+        done = threading.Event()
+
+        def renew() -> None:
+            while not done.wait(ttl / 3):
+                try:
+                    if not self.leases.renew(lock_id, self.owner, ttl):
+                        return
+                except Exception as exc:
+                    self.report(exc)
+
+        renewer = threading.Thread(target=renew, name="agentruns-notify-lock", daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            done.set()
+            renewer.join()
 
     def report(self, exc: Exception) -> None:
         if self._on_error is None:
@@ -596,16 +666,18 @@ class Engine:
     def tick(self) -> None:
         """Deny approvals past their expiry; re-send notifications that did not go through."""
         now = utcnow()
-        for run in self.store.waiting_runs():
-            wait = run.waiting
-            if wait is None:
-                continue
+        for run_id, wait in self.store.wait_points():
+            if wait.expires_at > now and wait.notified_at is not None:
+                continue  # nothing to do: most of them, read no further
             try:
+                run = self.store.get_run(run_id)
+                if run.waiting is None or run.waiting.token_id != wait.token_id:
+                    continue  # answered meanwhile
                 if wait.expires_at <= now:
                     # InvalidTokenError: someone answered it meanwhile.
                     with contextlib.suppress(InvalidTokenError):
                         self._answer(run, approved=False, reason="approval expired")
-                elif wait.notified_at is None:
+                else:
                     self.notify(run)
             except Exception as exc:  # one run's trouble does not hold up the others
                 self.report(exc)
@@ -650,10 +722,13 @@ class Engine:
         deadline = None if timeout is None else time.monotonic() + timeout
         # Every execution holds a slot from before it looks at the drain flag until it
         # has settled: once all slots are free here, none is left, also none that was
-        # claiming its run as the drain began (it aborts itself once kept).
+        # claiming its run as the drain began (it aborts itself once kept). Called from
+        # inside an execution (a tool), that one's slot is never free before this
+        # returns: it is aborted, and it settles once its tool returns.
+        others = self.slots - (1 if self._inside_execution() else 0)
         taken = 0
         try:
-            while taken < self.slots:
+            while taken < others:
                 wait = 0.05 if deadline is None else min(0.05, deadline - time.monotonic())
                 if wait <= 0:
                     return
@@ -665,6 +740,7 @@ class Engine:
 
     def idle(self, timeout: float | None = None) -> bool:
         """True once nothing runs here, nothing more can start, and events were delivered."""
+        self._not_inside_execution("idle()")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if not self._calls and not self._keeper.busy() and self.scheduler.outstanding() == 0:
@@ -674,6 +750,7 @@ class Engine:
             time.sleep(0.005)
 
     def close(self) -> None:
+        self._not_inside_execution("close()")
         if self._closed:
             return
         self._closed = True

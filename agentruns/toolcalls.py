@@ -8,6 +8,7 @@ died between the side effect and its record): ``on_unknown`` decides.
 
 from __future__ import annotations
 
+import copy
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -80,8 +81,13 @@ class ToolCaller:
         if tool is None:
             known = ", ".join(sorted(self.tools)) or "none"
             return error("unknown_tool", f"unknown tool {call['name']!r}; available: {known}")
+        given = call["input"]
+        if isinstance(given, dict) and any(isinstance(v, dict | list) for v in given.values()):
+            # The tool gets its own copy: what it does to it must not change the call
+            # as the transcript, its step row and the model's next request hold it.
+            given = copy.deepcopy(given)
         try:
-            arguments = tool.validate(call["input"])
+            arguments = tool.validate(given)
         except ToolInputError as exc:
             return error("invalid_input", str(exc))
         ctx = ToolContext(
@@ -130,8 +136,12 @@ def _invoke(tool: Tool, arguments: dict[str, Any], ctx: ToolContext) -> Outcome:
         return ok(tool(arguments, ctx))
     except FatalToolError:
         raise
-    except (KeyboardInterrupt, SystemExit):
-        raise  # the process is stopping: the run is left for recovery, as after a crash
+    except (KeyboardInterrupt, SystemExit) as exc:
+        if threading.current_thread() is threading.main_thread():
+            raise  # the process is stopping: the run is left for recovery, as after a crash
+        # In a pool's thread, no signal raises these: the tool did (argparse's exit on
+        # bad arguments). Raised on, they would end the thread's task unfinished.
+        return error("tool_error", f"{type(exc).__name__}: {exc}")
     except BaseException as exc:  # asyncio.CancelledError too: it is the tool's failure
         return error("tool_error", f"{type(exc).__name__}: {exc}")
 

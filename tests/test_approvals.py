@@ -535,3 +535,36 @@ def test_cancel_while_waiting_makes_the_token_stale(
         engine.resume(token, approved=True)
     assert err.value.reason == "stale"
     assert calls == []
+
+
+def test_a_slow_notifier_holds_no_slot_and_is_called_once(
+    make_engine: EngineFactory, calls: Calls, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It held its execution's slot (with slots=1 every other run waited for it),
+    # and its lock ran out under it: a tick meanwhile called it a second time.
+    monkeypatch.setattr("agentruns.engine._NOTIFY_LOCK_S", 0.5)  # lease_ttl 2 s: 2 s
+    notified: list[str] = []
+    returned: list[str] = []
+
+    def notifier(run: Run, wait: Any, token: str) -> None:
+        notified.append(run.id)
+        time.sleep(3)
+        returned.append(run.id)
+
+    agent, _ = comment_agent(calls, notifier=notifier)
+    quick = Agent("quick", ScriptedModel([text("hi")]))
+    engine = make_engine([agent, quick], slots=1)
+    waiting = engine.dispatch("triage", trigger({}))
+    deadline = time.monotonic() + 10
+    while not notified and time.monotonic() < deadline:
+        time.sleep(0.01)
+    other = engine.dispatch("quick", trigger({}))
+    while engine.get_run(other.id).status is not RunStatus.COMPLETED:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert returned == []  # the other run did not wait for the notifier
+    time.sleep(2.2)  # past the lock's first TTL, with the notifier still busy
+    engine.tick()
+    assert engine.idle(10)
+    assert notified == [waiting.id]
+    assert engine.get_run(waiting.id).waiting.notified_at is not None  # type: ignore[union-attr]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import json
 import os
@@ -259,6 +260,120 @@ def test_a_tool_error_quoting_undecodable_bytes_goes_to_the_model(
     result = model.calls[1][-1]["content"][0]
     assert result["is_error"] is True
     assert result["content"] == "ValueError: unsupported file type: r\\udce9sum\\udce9.doc"
+
+
+def test_a_tool_that_exits_in_a_pool_thread_is_a_tool_error(make_engine: EngineFactory) -> None:
+    # argparse exits on bad arguments. Raised on in an execution's thread (Celery's
+    # threads pool, LocalScheduler), it ended the thread's task unfinished: the run
+    # stayed running, and every recovery called the tool again.
+    @tool
+    def parse(argv: str) -> str:
+        """Parse a command line."""
+        parser = argparse.ArgumentParser(prog="report")
+        parser.add_argument("--days", type=int, required=True)
+        return str(parser.parse_args(argv.split()).days)
+
+    @tool
+    def interrupt() -> str:
+        """Interrupt."""
+        raise KeyboardInterrupt
+
+    model = ScriptedModel(
+        [tool_use("parse", {"argv": "--days many"}), tool_use("interrupt", {}), text("ok")]
+    )
+    run = _run_to_end(make_engine([Agent("a", model, tools=[parse, interrupt])]))
+    assert run.status is RunStatus.COMPLETED, run
+    results = [c[-1]["content"][0]["content"] for c in model.calls[1:]]
+    assert results == ["SystemExit: 2", "KeyboardInterrupt: "]
+
+
+def test_calls_that_would_wait_for_their_own_execution_do_not(make_engine: EngineFactory) -> None:
+    # From a tool, idle() and close() waited for the execution they were called in,
+    # forever; drain() without a timeout too. A listener's execute() of another run
+    # with every slot taken (by its own execution) waited for a slot forever.
+    engine: Engine
+    said: list[str] = []
+
+    @tool
+    def wait_for_quiet() -> str:
+        """Wait until nothing runs."""
+        for call in (engine.idle, engine.close):
+            try:
+                call()
+            except RuntimeError as exc:
+                said.append(str(exc))
+        engine.drain()
+        return "drained"
+
+    model = ScriptedModel([tool_use("wait_for_quiet", {}), text("never")])
+    engine = make_engine(
+        [Agent("a", model, tools=[wait_for_quiet]), Agent("b", ScriptedModel([text("b")]))],
+        slots=1,
+        scheduler=ManualScheduler(),
+    )
+    follow_up = engine.dispatch("b", trigger({}))
+    executed: list[Run] = []
+
+    def chain(event: Any) -> None:
+        run = event.run
+        if run.agent == "a" and run.status is RunStatus.RUNNING and not executed:
+            executed.append(engine.execute(follow_up.id))
+
+    engine.on("run.updated", chain)
+    run = engine.execute(engine.dispatch("a", trigger({})).id)
+    assert [r.status for r in executed] == [RunStatus.COMPLETED]
+    assert run.status is RunStatus.INTERRUPTED  # drained, once its tool returned
+    assert said == [
+        f"{call} cannot be called from inside one of this engine's executions (a tool or "
+        "listener): it would wait for that execution, which waits for it"
+        for call in ("idle()", "close()")
+    ]
+    assert [s.output for s in engine.steps(run.id) if s.kind == "tool"] == ["drained"]
+
+
+def test_a_tool_changing_its_input_changes_no_record_of_the_call(
+    make_engine: EngineFactory,
+) -> None:
+    @tool
+    def tidy(data: dict[str, Any]) -> str:
+        """Tidy the data."""
+        data["inner"]["list"].append(99)
+        data["inner"]["secret"] = "changed"
+        return "tidied"
+
+    asked = {"data": {"inner": {"secret": "as asked", "list": [1]}}}
+    model = ScriptedModel([tool_use("tidy", asked), text("ok")])
+    engine = make_engine([Agent("a", model, tools=[tidy])])
+    run = _run_to_end(engine)
+    (step,) = [s for s in engine.steps(run.id) if s.kind == "tool"]
+    assert step.input == asked
+    assert model.calls[1][-2]["content"][-1]["input"] == asked  # the model's next request
+    stored = engine.checkpoint(run.id)
+    assert stored is not None and stored.messages[1]["content"][-1]["input"] == asked
+
+
+def test_a_write_larger_than_postgres_takes_fails_the_run_once(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Over 1 GiB in one statement, Postgres dropped the connection; taken for an
+    # outage, the run stayed running and every recover() called the tool again.
+    # (The limit is lowered here: a real one would take gigabytes of memory.)
+    monkeypatch.setattr("agentruns.store.postgres.MOST_BYTES", 100_000)
+    calls: list[int] = []
+
+    @tool
+    def export() -> str:
+        """Export everything."""
+        calls.append(1)
+        return "x" * 200_000
+
+    model = ScriptedModel([tool_use("export", {}), text("never")])
+    engine = make_engine([Agent("a", model, tools=[export])], requeue_after=0.1)
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.FAILED and run.error is not None
+    assert run.error.code == "internal_error"
+    assert "more than Postgres takes in one statement" in run.error.message
+    assert engine.recover() == [] and calls == [1]
 
 
 def test_step_budget_fails_the_run_with_its_code(make_engine: EngineFactory) -> None:
@@ -940,6 +1055,18 @@ def test_recover_requeues_a_queued_run_whose_message_was_lost(
     assert engine.recover() == [run.id]
     assert engine.idle(10)
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
+
+
+def test_recover_nudges_only_the_first_queued_run_of_a_key(make_engine: EngineFactory) -> None:
+    # Every queued run of a long line was requeued and sent an execution that could
+    # claim nothing, on every sweep (50,000 in line: 89 s per recover()).
+    engine = make_engine(
+        [Agent("a", ScriptedModel([text("ok")]))], scheduler=ManualScheduler(), requeue_after=0.5
+    )
+    line = [engine.dispatch("a", trigger({"n": i}), concurrency_key="k") for i in range(5)]
+    time.sleep(0.6)
+    assert engine.recover() == [line[0].id]
+    assert engine.scheduler.scheduled == [r.id for r in line] + [line[0].id]  # type: ignore[attr-defined]
 
 
 def test_effect_tool_gets_a_stable_idempotency_key(make_engine: EngineFactory) -> None:

@@ -21,8 +21,11 @@ class LocalScheduler:
 
     def bind(self, execute: Callable[[str], object], slots: int = 8) -> None:
         self._execute = execute
+        # Two threads per slot: the engine's slots bound the executions, and a thread
+        # whose execution is over may still be announcing its wait (a notifier can
+        # take long) while another run takes the slot.
         self._pool = ThreadPoolExecutor(
-            max_workers=self._slots or slots, thread_name_prefix="agentruns-run"
+            max_workers=2 * (self._slots or slots), thread_name_prefix="agentruns-run"
         )
 
     def schedule(self, run_id: str) -> None:

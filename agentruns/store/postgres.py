@@ -192,6 +192,14 @@ class _Session:
             # Inside a transaction, this write would not be its own.
             raise RuntimeError("a hot-path statement needs an idle autocommit connection")
         values = statement.values(params)
+        size = sum(len(v) for v in values if v is not None)
+        if size > MOST_BYTES:
+            # The server would drop the connection ("invalid message length"): taken
+            # for an outage, the run would be retried, and refused again, forever.
+            raise ValueError(
+                f"a write of {size / 1e6:,.0f} MB is more than Postgres takes in one"
+                f" statement ({MOST_BYTES / 1e6:,.0f} MB)"
+            )
         if statement.name not in self.prepared:
             self._prepare(statement)
         result = pgconn.exec_prepared(statement.wire_name, values)
@@ -251,6 +259,10 @@ def _text(value: Any) -> bytes | None:
         return str(value).encode()
     raise TypeError(f"no text form for a parameter of type {type(value).__name__}")
 
+
+# What one statement's parameters may add up to: Postgres takes a message of at
+# most 1 GiB, the statement's name and framing included.
+MOST_BYTES = 2**30 - 2**20
 
 _SESSION = "agentruns.session"
 _NO_SUCH_STATEMENT = "26000"

@@ -23,6 +23,7 @@ from agentruns.runs import (
     Run,
     RunStatus,
     Step,
+    WaitPoint,
     utcnow,
 )
 from agentruns.store import history, schema
@@ -47,7 +48,7 @@ from agentruns.store.rows import (
     run_updated,
     step_from_row,
 )
-from agentruns.store.transactions import Transactions, claimable
+from agentruns.store.transactions import Transactions, claimable, in_turn
 
 log = logging.getLogger("agentruns")
 
@@ -423,12 +424,19 @@ class SqlStore:
     # -- sweeps ----------------------------------------------------------------
 
     def sweep_candidates(self, queued_before: datetime) -> list[RunRef]:
-        """Interrupted and running runs, and queued runs untouched since ``queued_before``."""
+        """Interrupted and running runs, and queued runs untouched since ``queued_before``
+        that are first in their key's line (the others wait for the run ahead of them
+        to finish, which schedules the next: a long line is not requeued, nor sent an
+        execution that can claim nothing, on every sweep)."""
         query = sa.select(R.c.id, R.c.status, R.c.epoch, R.c.updated_at, R.c.claim_expires_at)
         query = query.where(
             sa.or_(
                 R.c.status.in_([RunStatus.INTERRUPTED.value, RunStatus.RUNNING.value]),
-                sa.and_(R.c.status == RunStatus.QUEUED.value, R.c.updated_at < queued_before),
+                sa.and_(
+                    R.c.status == RunStatus.QUEUED.value,
+                    R.c.updated_at < queued_before,
+                    in_turn(),
+                ),
             )
         ).order_by(R.c.created_at)
         with self._reads.connect() as conn:
@@ -473,12 +481,22 @@ class SqlStore:
             ).first()
             return row[0] if row else None
 
-    def waiting_runs(self) -> list[Run]:
+    def wait_points(self) -> list[tuple[str, WaitPoint]]:
+        """The waiting runs' ids and wait points, and nothing else of them: ``tick``
+        reads them all every few seconds, and acts on few."""
+        query = (
+            sa.select(R.c.id, R.c.waiting)
+            .where(R.c.status == RunStatus.WAITING.value)
+            .order_by(R.c.key)
+        )
+        found = []
         with self._reads.connect() as conn:
-            rows = conn.execute(
-                sa.select(R).where(R.c.status == RunStatus.WAITING.value).order_by(R.c.created_at)
-            ).mappings()
-            return _readable(rows)
+            for run_id, waiting in conn.execute(query):
+                try:
+                    found.append((run_id, WaitPoint.model_validate(waiting)))
+                except ValueError:
+                    continue  # a hand-damaged row: reading it in full says so (rows.py)
+        return found
 
 
 def _readable(rows: Iterable[RowMapping]) -> list[Run]:

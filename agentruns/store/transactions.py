@@ -115,7 +115,7 @@ class Transactions:
 _AHEAD = (RunStatus.QUEUED.value, RunStatus.RUNNING.value, RunStatus.INTERRUPTED.value)
 
 
-def _in_turn() -> Any:
+def in_turn() -> Any:
     """The run is first in its concurrency key's line: no older run ahead of it."""
     older = R.alias("older")
     no_older = ~sa.exists(
@@ -141,7 +141,7 @@ def claimable(run_id: str) -> Any:
     return sa.select(R.c.id).where(
         R.c.id == run_id,
         R.c.status == RunStatus.QUEUED.value,
-        _in_turn(),
+        in_turn(),
         sa.or_(R.c.concurrency_key.is_(None), key_free),
     )
 
@@ -151,7 +151,7 @@ def _claim(run_id: str, owner: str, expires_at: datetime, now: datetime) -> Any:
     return (
         R.update()
         .where(R.c.id == run_id, R.c.status == RunStatus.QUEUED.value)
-        .where(_in_turn())
+        .where(in_turn())
         .values(
             status=RunStatus.RUNNING.value,
             epoch=R.c.epoch + 1,

@@ -305,9 +305,9 @@ class Execution:
             write.output = response.text.replace("\x00", "\ufffd")
             write.release_claim = True
             write.pending = None
-            self._commit(write)
+            self._commit_response(write, response)
             raise _Stop
-        self._commit(write)
+        self._commit_response(write, response)
         self.unsaved = []
         messages.append(assistant)
         self._run_tools(messages, calls, {}, index, response.stop_reason)
@@ -478,6 +478,18 @@ class Execution:
 
     def _state_to_save(self) -> dict[str, Any] | None:
         return self.state.value if self.agent.state is not None else None
+
+    def _commit_response(self, write: Commit, response: ModelResponse) -> None:
+        """Save a model's reply; one no store can keep (text that is not UTF-8, JSON
+        nested deeper than it encodes, too large a write) fails the run as the
+        model's error, its tokens counted, before anything of it is written."""
+        try:
+            self._commit(write)
+        except (ValueError, TypeError, RecursionError) as exc:  # UnicodeEncodeError too
+            self._fail_model(
+                f"malformed model reply: it cannot be stored ({type(exc).__name__}: {exc})",
+                response.usage,
+            )
 
     def _commit(self, write: Commit) -> Run:
         if self.reason is Abort.LEASE_LOST:

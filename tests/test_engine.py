@@ -376,6 +376,35 @@ def test_a_write_larger_than_postgres_takes_fails_the_run_once(
     assert engine.recover() == [] and calls == [1]
 
 
+def test_a_reply_no_store_can_keep_fails_as_the_models_error(make_engine: EngineFactory) -> None:
+    # It failed internal_error with its tokens lost. An unknown tool's name longer
+    # than the step row's column failed the run on Postgres, not the call.
+    deep: Any = "bottom"
+    for _ in range(2_000):
+        deep = [deep]
+    usage = Usage(input_tokens=10, output_tokens=5)
+    replies = {
+        "surrogate": [text("caf\udce9")],
+        "deep": [tool_use("search_issues", {"query": deep})],
+    }
+    agents = [
+        Agent(name, ScriptedModel(script, usage=usage), tools=[search_issues])
+        for name, script in replies.items()
+    ]
+    long_name = ScriptedModel([tool_use("x" * 300, {}), text("ok")])
+    engine = make_engine([*agents, Agent("long", long_name, tools=[search_issues])])
+    for name in replies:
+        run = _run_to_end(engine, name)
+        assert run.status is RunStatus.FAILED, run
+        assert run.error is not None and run.error.code == "model_error", run.error
+        assert run.error.message.startswith("malformed model reply: it cannot be stored")
+        assert run.usage.total_tokens == 15
+    run = _run_to_end(engine, "long")
+    assert run.status is RunStatus.COMPLETED, run.error
+    (step,) = [s for s in engine.steps(run.id) if s.kind == "tool"]
+    assert step.name == "x" * 200 and step.error["code"] == "unknown_tool"  # type: ignore[index]
+
+
 def test_step_budget_fails_the_run_with_its_code(make_engine: EngineFactory) -> None:
     model = ScriptedModel([tool_use("search_issues", {"query": "x"})])  # never answers
     engine = make_engine([Agent("a", model, tools=[search_issues], budget=Budget(max_steps=3))])

@@ -18,6 +18,7 @@ from agentruns.runs import (
     Usage,
     WaitPoint,
 )
+from agentruns.store.schema import STEP_NAME_LENGTH
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,11 @@ class NewStep:
     input: Any = None
     output: Any = None
     error: Any = None
+
+    def __post_init__(self) -> None:
+        # A name the model made up (an unknown tool's) may be longer than the column.
+        if self.name is not None and len(self.name) > STEP_NAME_LENGTH:
+            object.__setattr__(self, "name", self.name[:STEP_NAME_LENGTH])
 
 
 @dataclass(frozen=True)

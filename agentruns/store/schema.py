@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import sqlalchemy as sa
 
+# A step's name: its tool's, or the model's (what a model asks for is cut to this).
+STEP_NAME_LENGTH = 200
+
 metadata = sa.MetaData()
 
 TS = sa.DateTime(timezone=True)
@@ -92,7 +95,7 @@ steps = sa.Table(
     sa.Column("run_key", RunKey, primary_key=True, autoincrement=False),
     sa.Column("idx", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("kind", sa.String(8), nullable=False),
-    sa.Column("name", sa.String(200)),
+    sa.Column("name", sa.String(STEP_NAME_LENGTH)),
     sa.Column("input", sa.JSON),
     sa.Column("output", sa.JSON),
     sa.Column("error", sa.JSON),

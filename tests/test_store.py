@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -781,3 +782,25 @@ def test_a_closed_store_leaves_nothing_alive(db_url: str) -> None:
     del stores, store
     gc.collect()
     assert [ref() for ref in alive] == [None, None, None]
+
+
+def test_a_forked_child_leaves_its_parents_connections_alone(db_url: str) -> None:
+    # The child used the parent's pooled and held connections, and closing its
+    # store closed them: the parent's next statement failed.
+    store = SqlStore(db_url)
+    run, _ = _running(store)  # the hot path holds a connection
+    store.list_runs()  # the pool has one too
+    pid = os.fork()
+    if pid == 0:  # the child: its own connections, then closed
+        code = 1
+        try:
+            code = 0 if store.get_run(run.id).id == run.id else 1
+            _running(store)
+            store.close()
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert store.get_run(run.id).status is RunStatus.RUNNING
+    _running(store)  # a write on the held connection
+    store.close()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import weakref
 from typing import Any
 
 import psycopg
@@ -41,8 +43,28 @@ def _check_supported(url: str) -> None:
     )
 
 
+# Every engine made here, so that a forked child lets go of its parent's connections.
+_ENGINES: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def _forget_parents_connections() -> None:
+    """In a forked child: the pools' connections are the parent's sockets. The child
+    opens its own; closing them (or writing on them) would break the parent's."""
+    for engine in list(_ENGINES):
+        engine.dispose(close=False)
+
+
+os.register_at_fork(after_in_child=_forget_parents_connections)
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
     """A SQLAlchemy engine with compact JSON and, for SQLite, safe concurrent writes."""
+    engine = _make_engine(url, **kwargs)
+    _ENGINES.add(engine)
+    return engine
+
+
+def _make_engine(url: str, **kwargs: Any) -> Engine:
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
     _check_supported(url)

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
@@ -12,6 +14,18 @@ import sqlalchemy as sa
 from psycopg import pq
 
 IDLE = pq.TransactionStatus.IDLE
+
+# Every Held, so that a forked child lets go of the parent's connections it holds.
+_ALL: weakref.WeakSet[Held[Any]] = weakref.WeakSet()
+
+
+def _forget_parents_connections() -> None:
+    """In a forked child, the held connections are the parent's: dropped, not closed."""
+    for held in list(_ALL):
+        held.idle.clear()
+
+
+os.register_at_fork(after_in_child=_forget_parents_connections)
 
 
 class Session(Protocol):
@@ -58,6 +72,7 @@ class Held(Generic[S]):
         # (connection, its session, when it left the pool); append and pop are atomic.
         self.idle: deque[tuple[Any, S, float]] = deque()
         sa.event.listen(engine, "handle_error", self._on_error)
+        _ALL.add(self)
 
     def take(self) -> tuple[Any, S, float]:
         idle = self.idle

@@ -340,11 +340,14 @@ class Engine:
         finally:
             self._local.executing -= 1
 
-    def _not_inside_execution(self, call: str) -> None:
-        if self._inside_execution():
+    def _not_inside_a_call(self, call: str) -> None:
+        """``idle`` and ``close`` wait for every ``execute`` and ``dispatch_here`` in
+        progress, with what follows them (the notifier): not from inside one."""
+        if getattr(self._local, "calls", 0) > 0:
             raise RuntimeError(
                 f"{call} cannot be called from inside one of this engine's executions "
-                "(a tool or listener): it would wait for that execution, which waits for it"
+                "(a tool, listener or notifier): it would wait for that execution, which "
+                "waits for it"
             )
 
     @contextlib.contextmanager
@@ -354,9 +357,11 @@ class Engine:
         run of its key)."""
         with self._calls_lock:
             self._calls += 1
+        self._local.calls = getattr(self._local, "calls", 0) + 1
         try:
             yield
         finally:
+            self._local.calls -= 1
             with self._calls_lock:
                 self._calls -= 1
 
@@ -430,12 +435,13 @@ class Engine:
     def _after_run(self, run: Run) -> None:
         """What follows an execution, once its slot is free for another: announcing
         its wait (a notifier may take long), scheduling its key's next run."""
-        if run.status is RunStatus.WAITING:
-            self._paused(run)
         key = run.concurrency_key
-        # An interrupted run goes first again once recover() requeues it.
+        # An interrupted run goes first again once recover() requeues it. The next
+        # run is scheduled first: a slow notifier holds back no run of the key.
         if key is not None and run.status not in (RunStatus.RUNNING, RunStatus.INTERRUPTED):
             self._schedule_next(key)
+        if run.status is RunStatus.WAITING:
+            self._paused(run)
 
     def _paused(self, run: Run) -> None:
         """After a run paused and its lease is let go: announce the wait, unless it was
@@ -740,7 +746,7 @@ class Engine:
 
     def idle(self, timeout: float | None = None) -> bool:
         """True once nothing runs here, nothing more can start, and events were delivered."""
-        self._not_inside_execution("idle()")
+        self._not_inside_a_call("idle()")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if not self._calls and not self._keeper.busy() and self.scheduler.outstanding() == 0:
@@ -750,11 +756,15 @@ class Engine:
             time.sleep(0.005)
 
     def close(self) -> None:
-        self._not_inside_execution("close()")
+        self._not_inside_a_call("close()")
         if self._closed:
             return
         self._closed = True
         self.drain()
+        # What follows an execution runs after its slot is free (a notifier): the
+        # pools it uses are not closed under it.
+        while self._calls:
+            time.sleep(0.005)
         self._keeper.stop()
         self._unsubscribe_aborts()
         for closer in self._closers:

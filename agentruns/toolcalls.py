@@ -8,7 +8,7 @@ died between the side effect and its record): ``on_unknown`` decides.
 
 from __future__ import annotations
 
-import copy
+import json
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -16,6 +16,7 @@ from typing import Any
 from agentruns.errors import FatalToolError
 from agentruns.runs import Run, storable_text
 from agentruns.store.base import EffectRecord, Store
+from agentruns.store.connect import dumps
 from agentruns.tools import Tool, ToolContext, ToolInputError, result_content
 
 
@@ -82,14 +83,18 @@ class ToolCaller:
             known = ", ".join(sorted(self.tools)) or "none"
             return error("unknown_tool", f"unknown tool {call['name']!r}; available: {known}")
         given = call["input"]
-        if isinstance(given, dict) and any(isinstance(v, dict | list) for v in given.values()):
-            # The tool gets its own copy: what it does to it must not change the call
-            # as the transcript, its step row and the model's next request hold it.
-            given = copy.deepcopy(given)
         try:
+            if isinstance(given, dict) and any(isinstance(v, dict | list) for v in given.values()):
+                # The tool gets its own copy: what it does to it must not change the
+                # call as the transcript, its step row and the model's next request
+                # hold it. (Through JSON, which it was stored as: deepcopy recurses
+                # in Python, and gives up at a depth the store takes.)
+                given = json.loads(dumps(given))
             arguments = tool.validate(given)
         except ToolInputError as exc:
             return error("invalid_input", str(exc))
+        except RecursionError:
+            return error("invalid_input", f"the input of {tool.name} is nested too deep")
         ctx = ToolContext(
             run=run,
             tool_call_id=call["id"],

@@ -568,3 +568,40 @@ def test_a_slow_notifier_holds_no_slot_and_is_called_once(
     assert engine.idle(10)
     assert notified == [waiting.id]
     assert engine.get_run(waiting.id).waiting.notified_at is not None  # type: ignore[union-attr]
+
+
+def test_close_waits_for_a_notifier_and_a_thread_goes_on_while_it_runs(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    # The notifier runs after its execution's slot is let go. close() returned
+    # while it ran, and the engine then wrote through its closed store; the thread's
+    # next run waited for the notifier to return.
+    started, returned = threading.Event(), threading.Event()
+    said: list[str] = []
+
+    def notifier(run: Run, wait: Any, token: str) -> None:
+        started.set()
+        try:
+            engine.idle()
+        except RuntimeError as exc:
+            said.append(str(exc).split(":")[0])
+        time.sleep(1.5)
+        returned.set()
+
+    agent, _ = comment_agent(calls, notifier=notifier)
+    quick = Agent("quick", ScriptedModel([text("hi")]))
+    engine = make_engine([agent, quick], scheduler=ManualScheduler())
+    first = engine.dispatch("triage", trigger({}), thread="t")
+    second = engine.dispatch("quick", trigger({}), thread="t")
+    runner = threading.Thread(target=engine.execute, args=(first.id,))
+    runner.start()
+    assert started.wait(10)
+    # Scheduled at its dispatch, and again, before the notifier, as the thread's next.
+    assert engine.scheduler.scheduled.count(second.id) == 2  # type: ignore[attr-defined]
+    engine.close()
+    assert returned.is_set()
+    runner.join(5)
+    assert said == [
+        "idle() cannot be called from inside one of this engine's executions"
+        " (a tool, listener or notifier)"
+    ]

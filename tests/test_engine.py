@@ -324,11 +324,34 @@ def test_calls_that_would_wait_for_their_own_execution_do_not(make_engine: Engin
     assert [r.status for r in executed] == [RunStatus.COMPLETED]
     assert run.status is RunStatus.INTERRUPTED  # drained, once its tool returned
     assert said == [
-        f"{call} cannot be called from inside one of this engine's executions (a tool or "
-        "listener): it would wait for that execution, which waits for it"
+        f"{call} cannot be called from inside one of this engine's executions (a tool, "
+        "listener or notifier): it would wait for that execution, which waits for it"
         for call in ("idle()", "close()")
     ]
     assert [s.output for s in engine.steps(run.id) if s.kind == "tool"] == ["drained"]
+
+
+def test_a_deeply_nested_tool_input_reaches_the_tool(make_engine: EngineFactory) -> None:
+    # Copied with deepcopy (which recurses in Python), an input 250 levels deep
+    # failed the run with a RecursionError; the store had taken it.
+    seen: list[int] = []
+
+    @tool
+    def walk(tree: dict[str, Any]) -> str:
+        """Walk the tree."""
+        depth = 0
+        while tree.get("x"):
+            tree, depth = tree["x"][0], depth + 1
+        seen.append(depth)
+        return str(depth)
+
+    tree: dict[str, Any] = {}
+    for _ in range(300):
+        tree = {"x": [tree]}
+    model = ScriptedModel([tool_use("walk", {"tree": tree}), text("ok")])
+    run = _run_to_end(make_engine([Agent("a", model, tools=[walk])]))
+    assert run.status is RunStatus.COMPLETED, run.error
+    assert seen == [300]
 
 
 def test_a_tool_changing_its_input_changes_no_record_of_the_call(

@@ -695,15 +695,16 @@ def test_a_threads_second_run_starts_from_the_first_runs_messages(
     assert json.loads(sent[2]["content"])["payload"] == {"q": 2}
 
 
-def test_a_threads_runs_go_in_the_order_they_were_stored_whatever_the_clocks(
-    make_any_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+def test_a_threads_runs_go_in_the_order_they_were_sent_whatever_the_clocks(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Ordered by the senders' clocks, a run sent later by a host whose clock was
-    # behind went first.
+    # behind went first. A run's created_at is now Postgres' clock. (SQLite's
+    # processes share one host's clock.)
     from agentruns.store import sql
 
     model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"))
-    engine = make_any_engine([Agent("a", model)], scheduler=ManualScheduler())
+    engine = make_engine([Agent("a", model)], scheduler=ManualScheduler())
     real = sql.utcnow
 
     def clock_off_by(seconds: float) -> None:

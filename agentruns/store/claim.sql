@@ -1,12 +1,12 @@
 -- Claim a queued run (Postgres), as ONE statement: queued -> running with a new
 -- fencing epoch, and the stored transcript it continues from. A run waits while
 -- an older run of its concurrency key is queued, running, or interrupted by a
--- drain until recover() requeues it. Older is stored first (its key), whatever
--- the senders' clocks said: a thread's runs keep their order. Any running run
--- of its key also makes the partial unique index refuse the update; the older
--- running one is named here too because the index checks the row as committed,
--- this as this statement's snapshot saw it: an older run leaving running (for
--- interrupted) as this claims must not let it through.
+-- drain until recover() requeues it (oldest first, by the database's clock:
+-- a thread's runs keep their order, whatever the senders' clocks said). Any
+-- running run of its key also makes the partial unique index refuse the update;
+-- the older running one is named here too because the index checks the row as
+-- committed, this as this statement's snapshot saw it: an older run leaving
+-- running (for interrupted) as this claims must not let it through.
 WITH RECURSIVE run AS (
     UPDATE agentruns_runs AS r SET
         status = 'running',
@@ -23,7 +23,7 @@ WITH RECURSIVE run AS (
             SELECT 1 FROM agentruns_runs AS older
             WHERE older.concurrency_key = r.concurrency_key
               AND COALESCE(older.status, '') IN ('queued', 'running', 'interrupted')
-              AND older.key < r.key))
+              AND (older.created_at, older.id) < (r.created_at, r.id)))
     RETURNING r.*
 )
 -- A new run has no messages: no lookup. (The message rows cannot change under

@@ -82,8 +82,7 @@ runs = sa.Table(
     # No index names a column that every step writes (updated_at, the counters):
     # per-step updates of the run row stay HOT, adding no index entries.
     sa.Index("agentruns_runs_status", "status"),
-    # A key's runs in the order they were stored (see claim.sql).
-    sa.Index("agentruns_runs_key_order", "concurrency_key", "key"),
+    sa.Index("agentruns_runs_key_created", "concurrency_key", "created_at"),
     sa.Index("agentruns_runs_thread", "thread", "finished_at"),
     # Room in each page for the row's next versions, so HOT updates stay in place.
     postgresql_with={"fillfactor": 70},

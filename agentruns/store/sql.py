@@ -476,7 +476,7 @@ class SqlStore:
                     R.c.concurrency_key == concurrency_key,
                     R.c.status == RunStatus.QUEUED.value,
                 )
-                .order_by(R.c.key)  # stored first (see claim.sql)
+                .order_by(R.c.created_at, R.c.id)
                 .limit(1)
             ).first()
             return row[0] if row else None

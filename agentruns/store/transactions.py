@@ -122,7 +122,10 @@ def in_turn() -> Any:
         sa.select(older.c.id).where(
             older.c.concurrency_key == R.c.concurrency_key,
             older.c.status.in_(_AHEAD),
-            older.c.key < R.c.key,  # stored before it (see claim.sql)
+            sa.or_(
+                older.c.created_at < R.c.created_at,
+                sa.and_(older.c.created_at == R.c.created_at, older.c.id < R.c.id),
+            ),
         )
     )
     return sa.or_(R.c.concurrency_key.is_(None), no_older)

@@ -19,6 +19,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
@@ -40,6 +41,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 # Expected errors: reported as the task's failure, logged without a traceback, never retried.
 _EXPECTED = (AgentrunsError,)
 _RETRY_BACKOFF_MAX_S = 60
+_GIVE_BACK_PAUSE_S = 1.0
 _NO_SOFT_LIMIT_S = 10.0**9  # no hard limit either: a soft limit that never comes
 
 
@@ -177,6 +179,18 @@ def _retrying_outages(task: Any) -> Iterator[None]:
         raise
 
 
+def _engine_or_give_back() -> Engine:
+    """This worker's engine. One that cannot be built for the database's schema (a
+    worker deployed before ``agentruns migrate``) gives the message back, after a
+    pause (so a worker alone does not spin on it), for a worker that can take it:
+    acked here, a nudge or a sweep meant for the others was lost."""
+    try:
+        return get_engine()
+    except NotMigratedError as exc:
+        time.sleep(_GIVE_BACK_PAUSE_S)
+        raise Reject(f"this worker cannot work on this database yet: {exc}", requeue=True) from exc
+
+
 def _summary(run: Run) -> dict[str, Any]:
     # What Flower shows as the task's result.
     return {"run_id": run.id, "agent": run.agent, "status": run.status.value}
@@ -227,7 +241,7 @@ def execute(self: Any, run_id: str) -> dict[str, Any]:
     if shutting_down():
         # Give the message back for a worker that stays, instead of acking a no-op.
         raise Reject("the worker is shutting down", requeue=True)
-    run = get_engine().execute(run_id)
+    run = _engine_or_give_back().execute(run_id)
     if run.status is RunStatus.QUEUED and shutting_down():
         raise Reject("the worker is shutting down", requeue=True)
     return _summary(run)
@@ -252,13 +266,13 @@ def cancel(self: Any, run_id: str) -> dict[str, Any]:
 @_task("agentruns.tick")
 def tick(self: Any) -> None:
     """Expire approvals past their time; re-send notifications that did not go through."""
-    get_engine().tick()
+    _engine_or_give_back().tick()
 
 
 @_task("agentruns.recover")
 def recover(self: Any) -> list[str]:
     """Requeue interrupted, orphaned and long-queued runs; returns their ids."""
-    requeued = get_engine().recover()
+    requeued = _engine_or_give_back().recover()
     if requeued:
         log.info("recover requeued %d run(s): %s", len(requeued), ", ".join(requeued))
     return requeued

@@ -490,6 +490,31 @@ def test_messages_sent_before_the_database_is_migrated_are_answered_after(
             admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+def test_a_worker_that_cannot_work_on_the_database_leaves_the_nudges_to_others(
+    cluster: Cluster, engine: Engine
+) -> None:
+    # A worker whose engine cannot be built (deployed before `agentruns migrate`,
+    # here on a database of its own never migrated) acked the executions it took:
+    # runs another worker could have run stayed queued until recover().
+    name = f"agentruns_unmigrated_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(f'CREATE DATABASE "{name}"')
+    good = cluster.env["AGENTRUNS_DATABASE_URL"]
+    try:
+        cluster.env["AGENTRUNS_DATABASE_URL"] = str(sa.make_url(good).set(database=name))
+        (early,) = cluster.workers("early")
+        cluster.env["AGENTRUNS_DATABASE_URL"] = good
+        cluster.workers("ready")
+        runs = [engine.dispatch("quick", trigger({"n": i})) for i in range(6)]
+        for run in runs:
+            wait_for(partial(completed, engine, run.id), "every run to complete", 30)
+        assert "cannot work on this database yet" in early.output()
+    finally:
+        cluster.stop(graceful=False)
+        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def test_prefork_children_have_their_own_engines_and_drain_on_sigterm(
     cluster: Cluster, engine: Engine, leases: RedisLeases
 ) -> None:

@@ -30,6 +30,12 @@ def head_revision() -> str | None:
     return ScriptDirectory.from_config(_config()).get_current_head()
 
 
+@cache
+def known_revisions() -> frozenset[str]:
+    """The revisions this release's migrations know."""
+    return frozenset(s.revision for s in ScriptDirectory.from_config(_config()).walk_revisions())
+
+
 def current_revision(conn: Connection) -> str | None:
     return MigrationContext.configure(conn).get_current_revision()
 

@@ -75,6 +75,19 @@ def test_an_engine_refuses_an_unmigrated_database_naming_agentruns_migrate(
         Engine(store, agents=[agent], secret="s").close()
 
 
+def test_an_engine_on_a_database_a_newer_release_migrated_says_so(tmp_path: object) -> None:
+    # It said "not migrated (at 0003, need 0002): run `agentruns migrate`", which
+    # this release's migrate cannot do: it knows no way back from there.
+    url = f"sqlite:///{tmp_path}/newer.db"
+    migrate(url)
+    engine = sa.create_engine(url)
+    with engine.begin() as conn:
+        conn.execute(sa.text("UPDATE alembic_version SET version_num = '9999'"))
+    engine.dispose()
+    with pytest.raises(NotMigratedError, match="at schema 9999, newer than this release"):
+        SqlStore(url).check_schema()
+
+
 def test_migrations_run_at_once_by_several_deploys_all_succeed(empty_pg: str) -> None:
     # Each process upgrades from nothing at the same moment: without a lock, all
     # but one failed creating the same tables (or adding the same columns).

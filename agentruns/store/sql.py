@@ -99,7 +99,7 @@ class SqlStore:
         if self._checked:
             return
         # Alembic is imported only here, when a store is first used: not on `import agentruns`.
-        from agentruns.migrate import current_revision, head_revision
+        from agentruns.migrate import current_revision, head_revision, known_revisions
 
         try:
             with self._reads.connect() as conn:
@@ -108,6 +108,13 @@ class SqlStore:
             raise NotMigratedError(
                 f"cannot read the schema version of {self._safe_url()}: {exc.orig}"
             ) from exc
+        if current is not None and current not in known_revisions():
+            # `agentruns migrate` here would not help: it knows no way from there.
+            raise NotMigratedError(
+                f"the database {self._safe_url()} is at schema {current}, newer than this "
+                f"release of agentruns knows (its newest is {head_revision()}): a newer "
+                "release migrated it; run that release here too"
+            )
         if current != head_revision():
             raise NotMigratedError(
                 f"the database {self._safe_url()} is not migrated "

@@ -192,7 +192,7 @@ class _Session:
             # Inside a transaction, this write would not be its own.
             raise RuntimeError("a hot-path statement needs an idle autocommit connection")
         values = statement.values(params)
-        size = sum(len(v) for v in values if v is not None)
+        size = sum(map(len, filter(None, values)))  # None is NULL
         if size > MOST_BYTES:
             # The server would drop the connection ("invalid message length"): taken
             # for an outage, the run would be retried, and refused again, forever.

@@ -45,6 +45,7 @@ def _clients_made_by(transport: str | None, monkeypatch: pytest.MonkeyPatch) -> 
         finally:
             simple.clear()
             simple.close()
+            forget_queue(queue)  # and its bindings, which close() leaves in Redis
     return made
 
 

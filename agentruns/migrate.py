@@ -12,11 +12,15 @@ from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy.engine import Connection
 
+from agentruns.errors import AgentrunsError
 from agentruns.store.connect import make_engine
 
 _SCRIPTS = str(Path(__file__).parent / "migrations")
 # The advisory lock migrations take on Postgres (any constant of agentruns' own).
 _LOCK = 0x61676E7472756E73  # "agntruns"
+# How long a migration waits for a table lock (see migrate).
+LOCK_TIMEOUT_S = 10.0
+_LOCK_NOT_AVAILABLE = "55P03"
 
 
 def _config() -> Config:
@@ -40,8 +44,12 @@ def current_revision(conn: Connection) -> str | None:
     return MigrationContext.configure(conn).get_current_revision()
 
 
-def migrate(url: str) -> str | None:
-    """Bring the database at ``url`` up to the newest schema; returns the revision."""
+def migrate(url: str, lock_timeout: float = LOCK_TIMEOUT_S) -> str | None:
+    """Bring the database at ``url`` up to the newest schema; returns the revision.
+
+    On Postgres, a table lock a migration needs is waited for ``lock_timeout``
+    seconds at most: while it waits, every write to that table waits behind it (a
+    worker's too). Past that, nothing has changed, and ``AgentrunsError`` says so."""
     engine = make_engine(url)
     try:
         with engine.begin() as conn:
@@ -49,9 +57,21 @@ def migrate(url: str) -> str | None:
                 # One migration at a time (several deploys may run it at once): the
                 # others wait for this transaction, then find nothing left to do.
                 conn.execute(sa.text("SELECT pg_advisory_xact_lock(:key)"), {"key": _LOCK})
+                conn.execute(
+                    sa.text("SELECT set_config('lock_timeout', :ms, true)"),
+                    {"ms": f"{max(1, round(lock_timeout * 1000))}ms"},
+                )
             config = _config()
             config.attributes["connection"] = conn
-            command.upgrade(config, "head")
+            try:
+                command.upgrade(config, "head")
+            except sa.exc.OperationalError as exc:
+                if getattr(exc.orig, "sqlstate", None) != _LOCK_NOT_AVAILABLE:
+                    raise
+                raise AgentrunsError(
+                    f"the migration waited {lock_timeout:g} s for a table lock that another "
+                    "transaction holds (a long query?); it changed nothing: run it again"
+                ) from exc
             return current_revision(conn)
     finally:
         engine.dispose()

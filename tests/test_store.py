@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 import uuid
 import weakref
 from datetime import timedelta
@@ -18,7 +19,7 @@ import sqlalchemy as sa
 
 from agentruns import Agent, Engine, LeaseLostError, RunStatus, SqlStore, TriggerEnvelope
 from agentruns.errors import AgentrunsError, NotMigratedError
-from agentruns.migrate import head_revision, migrate
+from agentruns.migrate import current_revision, head_revision, migrate
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
@@ -119,6 +120,33 @@ def test_the_migrations_build_the_schema_the_store_uses(empty_pg: str, tmp_path:
             diff = compare_metadata(MigrationContext.configure(conn), schema.metadata)
         engine.dispose()
         assert diff == [], url
+
+
+def test_a_migration_a_long_transaction_holds_up_gives_up_changing_nothing(
+    empty_pg: str,
+) -> None:
+    # It waited as long as the transaction lasted, and every write to the table
+    # queued behind it: a report query could stop a whole fleet.
+    from alembic import command
+
+    from agentruns.migrate import _config
+
+    engine = sa.create_engine(empty_pg)
+    with engine.begin() as conn:
+        config = _config()
+        config.attributes["connection"] = conn
+        command.upgrade(config, "0001")
+    with engine.connect() as reader:
+        reader.execute(sa.text("SELECT count(*) FROM agentruns_runs"))  # holds its lock
+        started = time.monotonic()
+        with pytest.raises(AgentrunsError, match=r"waited 0\.5 s for a table lock"):
+            migrate(empty_pg, lock_timeout=0.5)
+        assert time.monotonic() - started < 5
+        reader.rollback()
+    with engine.connect() as conn:
+        assert current_revision(conn) == "0001"  # nothing changed
+    engine.dispose()
+    assert migrate(empty_pg) == head_revision()
 
 
 def test_a_thread_stored_before_0002_is_continued_after_it(empty_pg: str, tmp_path: object) -> None:

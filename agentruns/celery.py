@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import threading
+from importlib.machinery import ModuleSpec
 from typing import TYPE_CHECKING, Any
 
 from celery import Celery, signals
@@ -142,16 +143,17 @@ def defaults() -> dict[str, Any]:
     }
 
 
-def _has_celeryconfig() -> bool:
-    # Celery imports the config module with the working directory on the path; so do we.
+def _celeryconfig() -> ModuleSpec | None:
+    """The ``celeryconfig`` module, if there is one. Celery imports it with the
+    working directory on the path; so do we."""
     with cwd_in_path():
-        return importlib.util.find_spec("celeryconfig") is not None
+        return importlib.util.find_spec("celeryconfig")
 
 
 app = Celery("agentruns", include=["agentruns.tasks"])
 # Both are read lazily, when the configuration is first needed, not on import.
 app.add_defaults(defaults)
-if _has_celeryconfig():
+if _celeryconfig() is not None:
     app.config_from_object("celeryconfig")
 
 
@@ -171,8 +173,10 @@ def _say_what_overrode_the_environment(conf: Any) -> None:
     agentruns worker may read them, and points its workers at another queue."""
     s = get_settings()
     env = os.environ
+    spec = _celeryconfig()
+    module = f"celeryconfig ({spec.origin})" if spec is not None else "the configuration"
     named = "AGENTRUNS_BROKER_URL" if "AGENTRUNS_BROKER_URL" in env else "AGENTRUNS_REDIS_URL"
-    by = "CELERY_BROKER_URL" if env.get("CELERY_BROKER_URL") else _config_module()
+    by = "CELERY_BROKER_URL" if env.get("CELERY_BROKER_URL") else module
     if named in env and s.effective_broker_url and conf.broker_url != s.effective_broker_url:
         log.warning(
             "agentruns: the Celery broker is %s, set by %s, not %s from %s",
@@ -185,7 +189,7 @@ def _say_what_overrode_the_environment(conf: Any) -> None:
         log.warning(
             "agentruns: the Celery queue is %r, set by %s, not %r from AGENTRUNS_QUEUE",
             conf.task_default_queue,
-            _config_module(),
+            module,
             s.queue,
         )
 
@@ -209,12 +213,6 @@ def _follow_default_queue(conf: Any, module_set: set[str]) -> None:
         conf.task_routes = fixed
 
 
-def _config_module() -> str:
-    with cwd_in_path():
-        spec = importlib.util.find_spec("celeryconfig")
-    return f"celeryconfig ({spec.origin})" if spec is not None else "the configuration"
-
-
 def _pick_transport(sender: Celery, **_: Any) -> None:
     """A Redis broker gets agentruns' Redis transport (``agentruns.broker``: the same
     transport, without a new Redis client per command), unless the configuration
@@ -231,7 +229,7 @@ def _apply_celeryconfig(conf: Any) -> set[str]:
     repository's does, sets every one of ours). Celery ranks defaults added with
     ``add_defaults`` above its config module, so without this the module could not
     override any setting of :func:`defaults` (only add others)."""
-    if not _has_celeryconfig():
+    if _celeryconfig() is None:
         return set()
     with cwd_in_path():
         module = importlib.import_module("celeryconfig")

@@ -44,6 +44,17 @@ def pg_url() -> Iterator[str]:
         conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
+@pytest.fixture
+def empty_pg() -> Iterator[str]:
+    """A database of its own for the test, never migrated, dropped at the end."""
+    name = f"agentruns_empty_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    yield _pg_url(name)
+    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 def drop_connections(url: str) -> None:
     """Every connection to ``url``'s database goes, as in a Postgres restart."""
     with psycopg.connect(PG_ADMIN, autocommit=True) as admin:

@@ -27,13 +27,13 @@ import redis
 import sqlalchemy as sa
 
 from agentruns import CeleryScheduler, Engine, RedisLeases, Run, RunStatus, SqlStore
-from agentruns.celery import defaults, sweeps_queue
+from agentruns.celery import CLOCK_SKEW_S, defaults, sweeps_queue
 from agentruns.migrate import migrate
 from agentruns.schedulers import ManualScheduler
 from agentruns.settings import get_settings
 from bench.cluster import Cluster as BaseCluster
 from bench.cluster import Proc, forget_queue
-from tests.conftest import PG_ADMIN, REDIS_URL, EngineFactory, trigger, wait_for
+from tests.conftest import REDIS_URL, EngineFactory, trigger, wait_for
 from tests.support import celery_agents
 from tests.support.celery_agents import CHARGE_SCRIPT, QUICK_SCRIPT
 from tests.support.proxy import Proxy
@@ -465,14 +465,11 @@ def test_messages_sent_while_postgres_is_away_wait_for_it_and_are_answered(
 
 
 def test_messages_sent_before_the_database_is_migrated_are_answered_after(
-    cluster: Cluster,
+    cluster: Cluster, empty_pg: str
 ) -> None:
     from agentruns.tasks import dispatch
 
-    name = f"agentruns_unmigrated_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
-    url = str(sa.make_url(cluster.env["AGENTRUNS_DATABASE_URL"]).set(database=name))
+    url = empty_pg  # the workers are deployed before `agentruns migrate`
     try:
         cluster.env["AGENTRUNS_DATABASE_URL"] = url
         (worker,) = cluster.workers("w1")  # deployed before `agentruns migrate`
@@ -486,22 +483,17 @@ def test_messages_sent_before_the_database_is_migrated_are_answered_after(
             store.close()
     finally:
         cluster.stop(graceful=False)
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_a_worker_that_cannot_work_on_the_database_leaves_the_nudges_to_others(
-    cluster: Cluster, engine: Engine
+    cluster: Cluster, engine: Engine, empty_pg: str
 ) -> None:
     # A worker whose engine cannot be built (deployed before `agentruns migrate`,
     # here on a database of its own never migrated) acked the executions it took:
     # runs another worker could have run stayed queued until recover().
-    name = f"agentruns_unmigrated_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-        admin.execute(f'CREATE DATABASE "{name}"')
     good = cluster.env["AGENTRUNS_DATABASE_URL"]
     try:
-        cluster.env["AGENTRUNS_DATABASE_URL"] = str(sa.make_url(good).set(database=name))
+        cluster.env["AGENTRUNS_DATABASE_URL"] = empty_pg
         (early,) = cluster.workers("early")
         cluster.env["AGENTRUNS_DATABASE_URL"] = good
         cluster.workers("ready")
@@ -511,8 +503,6 @@ def test_a_worker_that_cannot_work_on_the_database_leaves_the_nudges_to_others(
         assert "cannot work on this database yet" in early.output()
     finally:
         cluster.stop(graceful=False)
-        with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-            admin.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_prefork_children_have_their_own_engines_and_drain_on_sigterm(
@@ -577,7 +567,10 @@ def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:
     assert settings["worker_send_task_events"] and settings["task_send_sent_event"]
     schedule = settings["beat_schedule"]
     assert {entry["task"] for entry in schedule.values()} == {"agentruns.tick", "agentruns.recover"}
-    assert all(entry["options"]["expires"] > entry["schedule"] for entry in schedule.values())
+    assert all(
+        entry["options"]["expires"] == entry["schedule"] + CLOCK_SKEW_S
+        for entry in schedule.values()
+    )
 
 
 def test_a_worker_that_does_not_consume_the_sweeps_queue_says_so(

@@ -23,7 +23,7 @@ from agentruns.migrate import current_revision, head_revision, migrate
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
-from tests.conftest import PG_ADMIN, _pg_url, drop_connections, free_port, wait_for
+from tests.conftest import PG_ADMIN, drop_connections, free_port, wait_for
 
 
 def new_run(key: str | None = None, idem: str | None = None) -> NewRun:
@@ -52,16 +52,6 @@ def _running(store: SqlStore) -> tuple[Run, Guard]:
 def _step(name: str = "t") -> NewStep:
     now = utcnow()
     return NewStep(kind="tool", name=name, started_at=now, finished_at=now)
-
-
-@pytest.fixture
-def empty_pg() -> object:
-    name = f"agentruns_empty_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    yield _pg_url(name)
-    with psycopg.connect(PG_ADMIN, autocommit=True) as conn:
-        conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_an_engine_refuses_an_unmigrated_database_naming_agentruns_migrate(

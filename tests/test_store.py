@@ -821,12 +821,17 @@ def test_a_forked_child_leaves_its_parents_connections_alone(db_url: str) -> Non
     store = SqlStore(db_url)
     run, _ = _running(store)  # the hot path holds a connection
     store.list_runs()  # the pool has one too
+    held = store.writes.held.idle  # type: ignore[attr-defined]
+    parents = {pooled.driver_connection.info.backend_pid for pooled, _, _ in held}
+    assert parents
     pid = os.fork()
     if pid == 0:  # the child: its own connections, then closed
         code = 1
         try:
-            code = 0 if store.get_run(run.id).id == run.id else 1
-            _running(store)
+            ok = store.get_run(run.id).id == run.id
+            _running(store)  # written on a connection of its own, then held
+            mine = {pooled.driver_connection.info.backend_pid for pooled, _, _ in held}
+            code = 0 if ok and mine and not mine & parents else 1
             store.close()
         finally:
             os._exit(code)

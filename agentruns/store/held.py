@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import os
 import time
-import weakref
 from collections import deque
 from collections.abc import Callable
 from typing import Any, Generic, Protocol, TypeVar
@@ -14,18 +12,6 @@ import sqlalchemy as sa
 from psycopg import pq
 
 IDLE = pq.TransactionStatus.IDLE
-
-# Every Held, so that a forked child lets go of the parent's connections it holds.
-_ALL: weakref.WeakSet[Held[Any]] = weakref.WeakSet()
-
-
-def _forget_parents_connections() -> None:
-    """In a forked child, the held connections are the parent's: dropped, not closed."""
-    for held in list(_ALL):
-        held.idle.clear()
-
-
-os.register_at_fork(after_in_child=_forget_parents_connections)
 
 
 class Session(Protocol):
@@ -72,7 +58,7 @@ class Held(Generic[S]):
         # (connection, its session, when it left the pool); append and pop are atomic.
         self.idle: deque[tuple[Any, S, float]] = deque()
         sa.event.listen(engine, "handle_error", self._on_error)
-        _ALL.add(self)
+        sa.event.listen(engine, "engine_disposed", self._on_disposed)
 
     def take(self) -> tuple[Any, S, float]:
         idle = self.idle
@@ -130,12 +116,21 @@ class Held(Generic[S]):
         on its dialect, which SQLAlchemy's caches keep, and would keep this engine
         (and its store) alive after the store's ``close``."""
         self.release()
-        if sa.event.contains(self.engine, "handle_error", self._on_error):
-            sa.event.remove(self.engine, "handle_error", self._on_error)
+        for event, listener in (
+            ("handle_error", self._on_error),
+            ("engine_disposed", self._on_disposed),
+        ):
+            if sa.event.contains(self.engine, event, listener):
+                sa.event.remove(self.engine, event, listener)
 
     def drop(self) -> None:
         """Give them all back to be reconnected: a connection broke."""
         self.release(invalidate=True)
+
+    def _on_disposed(self, engine: sa.Engine) -> None:
+        # The pool was replaced under them: a forked child's (connect.py) are the
+        # parent's connections, to be dropped, never closed or written on.
+        self.idle.clear()
 
     def _on_error(self, context: sa.engine.ExceptionContext) -> None:
         # A broken connection, or one that could not be made (the server is away):

@@ -106,8 +106,8 @@ class ToolCaller:
                 return Wait()
         except FatalToolError:
             raise
-        except Exception as exc:
-            return error("tool_error", f"{type(exc).__name__}: {exc}")
+        except BaseException as exc:
+            return _raised_by_tool_code(exc)
         if tool.effect:
             return self._effect(tool, arguments, ctx, again)
         return _invoke(tool, arguments, ctx)
@@ -141,14 +141,21 @@ def _invoke(tool: Tool, arguments: dict[str, Any], ctx: ToolContext) -> Outcome:
         return ok(tool(arguments, ctx))
     except FatalToolError:
         raise
-    except (KeyboardInterrupt, SystemExit) as exc:
-        if threading.current_thread() is threading.main_thread():
-            raise  # the process is stopping: the run is left for recovery, as after a crash
-        # In a pool's thread, no signal raises these: the tool did (argparse's exit on
-        # bad arguments). Raised on, they would end the thread's task unfinished.
-        return error("tool_error", f"{type(exc).__name__}: {exc}")
-    except BaseException as exc:  # asyncio.CancelledError too: it is the tool's failure
-        return error("tool_error", f"{type(exc).__name__}: {exc}")
+    except BaseException as exc:
+        return _raised_by_tool_code(exc)
+
+
+def _raised_by_tool_code(exc: BaseException) -> Outcome:
+    """What a tool's code (the tool, its ``needs_approval`` callable) raised, as the
+    call's tool error; asyncio.CancelledError too. ``KeyboardInterrupt`` and
+    ``SystemExit`` in the main thread mean the process is stopping: raised on, the
+    run is left for recovery, as after a crash. In a pool's thread no signal raises
+    them, the tool code did (argparse's exit on bad arguments): raised on, they
+    would end the thread's task unfinished."""
+    stopping = isinstance(exc, KeyboardInterrupt | SystemExit)
+    if stopping and threading.current_thread() is threading.main_thread():
+        raise exc
+    return error("tool_error", f"{type(exc).__name__}: {exc}")
 
 
 def ok(value: Any) -> Outcome:

@@ -278,13 +278,26 @@ def test_a_tool_that_exits_in_a_pool_thread_is_a_tool_error(make_engine: EngineF
         """Interrupt."""
         raise KeyboardInterrupt
 
+    def ask_unless_quiet(arguments: dict[str, Any], ctx: ToolContext) -> bool:
+        raise SystemExit("quit")
+
+    @tool(needs_approval=ask_unless_quiet)
+    def gated() -> str:
+        """Gated."""
+        return "never"
+
     model = ScriptedModel(
-        [tool_use("parse", {"argv": "--days many"}), tool_use("interrupt", {}), text("ok")]
+        [
+            tool_use("parse", {"argv": "--days many"}),
+            tool_use("interrupt", {}),
+            tool_use("gated", {}),
+            text("ok"),
+        ]
     )
-    run = _run_to_end(make_engine([Agent("a", model, tools=[parse, interrupt])]))
+    run = _run_to_end(make_engine([Agent("a", model, tools=[parse, interrupt, gated])]))
     assert run.status is RunStatus.COMPLETED, run
     results = [c[-1]["content"][0]["content"] for c in model.calls[1:]]
-    assert results == ["SystemExit: 2", "KeyboardInterrupt: "]
+    assert results == ["SystemExit: 2", "KeyboardInterrupt: ", "SystemExit: quit"]
 
 
 def test_calls_that_would_wait_for_their_own_execution_do_not(make_engine: EngineFactory) -> None:

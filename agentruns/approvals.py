@@ -1,97 +1,207 @@
-"""Resume tokens: signed, expiring, single-use, bound to one exact tool call.
+"""Runs waiting on an approval: answering them (``resume``), expiring them and
+announcing them (the agent's notifier, which ``tick`` retries until it returns).
 
-A token is ``base64url(claims).base64url(hmac_sha256(secret, claims))``;
-only its id is stored, so a database leak does not leak usable tokens.
+The tokens themselves are ``tokens.py``'s; only their ids are stored.
 """
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import hmac
-import json
-import math
-from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import Any
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
-from agentruns.errors import InvalidTokenError
-from agentruns.runs import WaitPoint, utcnow
+from agentruns import tokens
+from agentruns.errors import AgentrunsError, InvalidTokenError, NotifierError, UnknownAgentError
+from agentruns.runs import Run, RunStatus, is_utf8, utcnow
+from agentruns.store.base import Commit, Guard, NewStep
 
+if TYPE_CHECKING:
+    from agentruns.engine import Engine
 
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+# The shortest time the lock around a notifier call is taken for (it is renewed).
+_NOTIFY_LOCK_S = 30.0
 
 
-def call_hash(tool_name: str, tool_input: Any) -> str:
-    """A hash of the tool name and its exact input, in canonical JSON."""
-    canonical = json.dumps(tool_input, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
-    return _b64(hashlib.sha256(f"{tool_name}\0{canonical}".encode()).digest())
+class Approvals:
+    """An engine's approvals (SPEC §4, "Approvals")."""
 
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
 
-@dataclass(frozen=True)
-class TokenClaims:
-    run_id: str
-    approval_id: str
-    token_id: str
-    expires_at: datetime
-    call_hash: str
+    def resume(self, token: str, *, approved: bool, reason: str | None = None) -> Run:
+        """Answer the approval a token stands for, once; the run is queued again."""
+        if not isinstance(approved, bool):
+            raise TypeError(f"approved must be True or False, not {approved!r}")
+        if reason is not None and not (isinstance(reason, str) and is_utf8(reason)):
+            raise TypeError(f"reason must be UTF-8 text or None, not {reason!r}")
+        engine = self.engine
+        claims = tokens.verify(engine.secret, token)
+        try:
+            run = engine.store.get_run(claims.run_id)
+        except AgentrunsError:
+            raise InvalidTokenError("stale", "the token's run does not exist") from None
+        if run.status is not RunStatus.WAITING or not tokens.matches(claims, run.id, run.waiting):
+            raise InvalidTokenError("stale", "the run is not waiting on this token")
+        if run.waiting is not None and run.waiting.expires_at <= utcnow():
+            raise InvalidTokenError("expired")  # tick has not answered it yet
+        if run.agent not in engine.agents:
+            # As dispatch: an engine that could not run the answered run refuses, and
+            # the token stays good for one that can.
+            raise UnknownAgentError(run.agent)
+        return self._answer(run, approved=approved, reason=reason)
 
-
-def mint(secret: str, run_id: str, wait: WaitPoint) -> str:
-    claims = {
-        "r": run_id,
-        "a": wait.approval_id,
-        "t": wait.token_id,
-        # Whole seconds, rounded up: the token never runs out before its wait point,
-        # whose own expiry (to the microsecond) resume checks too.
-        "e": math.ceil(wait.expires_at.timestamp()),
-        "h": call_hash(wait.tool_name, wait.input),
-    }
-    body = _b64(json.dumps(claims, separators=(",", ":")).encode())
-    return f"{body}.{_sign(secret, body)}"
-
-
-def _sign(secret: str, body: str) -> str:
-    return _b64(hmac.new(secret.encode(), body.encode(), hashlib.sha256).digest())
-
-
-def verify(secret: str, token: str, now: datetime | None = None) -> TokenClaims:
-    """Check shape, signature and expiry; raises ``InvalidTokenError`` with the reason."""
-    if not isinstance(token, str) or token.count(".") != 1:
-        raise InvalidTokenError("malformed")
-    body, signature = token.split(".")
-    try:  # unsigned yet: whatever it holds is only "malformed"
-        raw = json.loads(_unb64(body))
-        claims = TokenClaims(
-            run_id=str(raw["r"]),
-            approval_id=str(raw["a"]),
-            token_id=str(raw["t"]),
-            expires_at=datetime.fromtimestamp(int(raw["e"]), UTC),
-            call_hash=str(raw["h"]),
+    def _answer(self, run: Run, *, approved: bool, reason: str | None) -> Run:
+        engine = self.engine
+        wait = run.waiting
+        assert wait is not None and wait.tool_call_id is not None
+        pending = dict(engine.store.pending(run.id) or {})
+        if approved:
+            asked_again = (pending.get(wait.tool_call_id) or {}).get("unknown", False)
+            # "unknown": what was approved is calling it again (see execution.py).
+            pending[wait.tool_call_id] = {"status": "approved", "unknown": asked_again}
+        else:
+            pending[wait.tool_call_id] = {
+                "status": "done",
+                "content": f"The call was denied: {reason or 'no reason given'}",
+                "is_error": True,
+            }
+        now = utcnow()
+        agent = engine.agents.get(run.agent)
+        # The wait step spans the wait: from the pause to the answer.
+        asked = wait.expires_at - agent.approval_ttl if agent is not None else now
+        step = NewStep(
+            kind="wait",
+            name=wait.tool_name,
+            input=wait.input,
+            output={"approval_id": wait.approval_id, "approved": approved, "reason": reason},
+            started_at=min(asked, now),
+            finished_at=now,
         )
-        _unb64(signature)
-    except (ValueError, KeyError, TypeError, OverflowError, OSError, RecursionError):
-        # (binascii.Error is a ValueError.) OSError and OverflowError: an expiry no
-        # date can hold; RecursionError: JSON nested deeper than the parser goes.
-        raise InvalidTokenError("malformed") from None
-    if not hmac.compare_digest(signature, _sign(secret, body)):
-        raise InvalidTokenError("bad_signature")
-    if claims.expires_at <= (now or utcnow()):
-        raise InvalidTokenError("expired")
-    return claims
+        committed = engine.store.commit(
+            run,
+            Guard(status=RunStatus.WAITING, token_id=wait.token_id),
+            # The same step index: the answer joins the checkpoint of the step that asked.
+            Commit(
+                steps=[step],
+                pending=pending,
+                checkpoint=(run.steps_used - 1, "tool_use"),
+                status=RunStatus.QUEUED,
+                waiting=None,
+            ),
+        )
+        if committed is None:
+            raise InvalidTokenError("stale", "the approval was answered or cancelled meanwhile")
+        engine.published(committed)
+        engine.scheduler.schedule(run.id)
+        return committed.run
 
+    def token(self, run: Run) -> str:
+        """The current resume token of a waiting run, minted again (for an operator)."""
+        if run.status is not RunStatus.WAITING or run.waiting is None:
+            raise AgentrunsError(f"run {run.id} is {run.status.value}, not waiting on an approval")
+        return tokens.mint(self.engine.secret, run.id, run.waiting)
 
-def matches(claims: TokenClaims, run_id: str, wait: WaitPoint | None) -> bool:
-    """Is this token for the wait point the run is waiting on right now?"""
-    return (
-        wait is not None
-        and claims.run_id == run_id
-        and claims.approval_id == wait.approval_id
-        and claims.token_id == wait.token_id
-        and claims.call_hash == call_hash(wait.tool_name, wait.input)
-    )
+    def tick(self) -> None:
+        """Deny approvals past their expiry; re-send notifications that did not go through."""
+        engine = self.engine
+        now = utcnow()
+        for run_id, wait in engine.store.wait_points():
+            if wait.expires_at > now and wait.notified_at is not None:
+                continue  # nothing to do: most of them, read no further
+            try:
+                run = engine.store.get_run(run_id)
+                if run.waiting is None or run.waiting.token_id != wait.token_id:
+                    continue  # answered meanwhile
+                if wait.expires_at <= now:
+                    # InvalidTokenError: someone answered it meanwhile.
+                    with contextlib.suppress(InvalidTokenError):
+                        self._answer(run, approved=False, reason="approval expired")
+                else:
+                    self.notify(run)
+            except Exception as exc:  # one run's trouble does not hold up the others
+                engine.report(exc)
+
+    def paused(self, run: Run) -> None:
+        """After a run paused and its lease is let go: announce the wait, unless it was
+        answered already. An answer (a listener's, or a quick person's) that came while
+        the engine still held the lease scheduled an execution that found the lease
+        held and did nothing: this one schedules it again."""
+        engine = self.engine
+        try:
+            current = engine.store.get_run(run.id)
+            if current.status is RunStatus.QUEUED:
+                engine.scheduler.schedule(run.id)
+            elif current.status is RunStatus.WAITING:
+                self.notify(current)
+        except Exception as exc:
+            engine.report(exc)
+
+    def notify(self, run: Run) -> None:
+        """Call the agent's notifier for the run's wait point; mark it notified if it returns."""
+        engine = self.engine
+        agent = engine.agents.get(run.agent)
+        wait = run.waiting
+        if agent is None or agent.notifier is None or wait is None or wait.notified_at:
+            return
+        # One notifier call at a time per wait point, across every engine and tick.
+        lock_id = f"notify:{wait.token_id}"
+        ttl = max(engine.lease_ttl, _NOTIFY_LOCK_S)
+        try:
+            if not engine.leases.acquire(lock_id, engine.owner, ttl):
+                return
+        except Exception as exc:
+            engine.report(exc)
+            return
+        try:
+            current = engine.store.get_run(run.id)
+            if current.waiting is None or current.waiting.token_id != wait.token_id:
+                return
+            if current.waiting.notified_at is not None:
+                return
+            token = tokens.mint(engine.secret, run.id, wait)
+            try:
+                # Held for as long as the notifier takes (a slow webhook): a tick
+                # meanwhile would otherwise call it again.
+                with self._holding(lock_id, ttl):
+                    agent.notifier(current, current.waiting, token)
+            except Exception as exc:
+                # Its own kind: a webhook's OSError is not the store or Redis going away.
+                raise NotifierError(run.id, exc) from exc
+            notified = current.waiting.model_copy(update={"notified_at": utcnow()})
+            committed = engine.store.commit(
+                current,
+                Guard(status=RunStatus.WAITING, token_id=wait.token_id),
+                Commit(waiting=notified),
+            )
+            if committed is not None:
+                engine.events.run_updated(committed.run)
+        except Exception as exc:
+            engine.report(exc)
+        finally:
+            try:
+                engine.leases.release(lock_id, engine.owner)
+            except Exception as exc:
+                engine.report(exc)
+
+    @contextlib.contextmanager
+    def _holding(self, lock_id: str, ttl: float) -> Iterator[None]:
+        """Renew a lease the engine holds every third of ``ttl`` until the block ends."""
+        engine = self.engine
+        done = threading.Event()
+
+        def renew() -> None:
+            while not done.wait(ttl / 3):
+                try:
+                    if not engine.leases.renew(lock_id, engine.owner, ttl):
+                        return
+                except Exception as exc:
+                    engine.report(exc)
+
+        renewer = threading.Thread(target=renew, name="agentruns-notify-lock", daemon=True)
+        renewer.start()
+        try:
+            yield
+        finally:
+            done.set()
+            renewer.join()

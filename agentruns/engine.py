@@ -1,4 +1,5 @@
-"""The engine: dispatches runs, executes them under a lease, answers approvals, sweeps."""
+"""The engine (SPEC §4): dispatches runs, executes them under a lease, sweeps; answering
+approvals is ``approvals.py``'s."""
 
 from __future__ import annotations
 
@@ -19,14 +20,11 @@ import redis
 import sqlalchemy.exc
 from pydantic import ValidationError
 
-from agentruns import approvals
 from agentruns.agent import Agent
+from agentruns.approvals import Approvals
 from agentruns.errors import (
-    AgentrunsError,
-    InvalidTokenError,
     InvalidTriggerError,
     LeaseLostError,
-    NotifierError,
     RunNotFoundError,
     UnknownAgentError,
 )
@@ -55,7 +53,6 @@ from agentruns.store.base import (
     Committed,
     Guard,
     NewRun,
-    NewStep,
     RunRef,
     Store,
 )
@@ -66,8 +63,6 @@ log = logging.getLogger("agentruns")
 
 # How long an execution waits for a free slot before looking again (drain, fallback).
 _SLOT_WAIT_S = 0.2
-# The shortest time the lock around a notifier call is taken for (it is renewed).
-_NOTIFY_LOCK_S = 30.0
 # The concurrency key of a run in a thread with none of its own: this, then its name.
 _THREAD_KEY = "thread:"
 _INFRASTRUCTURE = (
@@ -133,6 +128,7 @@ class Engine:
         self.scheduler.bind(self.execute, slots)
         self._unsubscribe_aborts = self.leases.on_abort_request(self._abort_requested)
         self._closers: list[Callable[[], None]] = []
+        self._approvals = Approvals(self)
 
     # -- configuration -----------------------------------------------------------
 
@@ -441,21 +437,7 @@ class Engine:
         if key is not None and run.status not in (RunStatus.RUNNING, RunStatus.INTERRUPTED):
             self._schedule_next(key)
         if run.status is RunStatus.WAITING:
-            self._paused(run)
-
-    def _paused(self, run: Run) -> None:
-        """After a run paused and its lease is let go: announce the wait, unless it was
-        answered already. An answer (a listener's, or a quick person's) that came while
-        this engine still held the lease scheduled an execution that found the lease
-        held and did nothing: this one schedules it again."""
-        try:
-            current = self.store.get_run(run.id)
-            if current.status is RunStatus.QUEUED:
-                self.scheduler.schedule(run.id)
-            elif current.status is RunStatus.WAITING:
-                self.notify(current)
-        except Exception as exc:
-            self.report(exc)
+            self._approvals.paused(run)
 
     def _release_lease(self, run_id: str) -> None:
         try:
@@ -495,73 +477,6 @@ class Engine:
         self.events.steps_appended(committed.steps)
         self.events.run_updated(committed.run)
 
-    def notify(self, run: Run) -> None:
-        """Call the agent's notifier for the run's wait point; mark it notified if it returns."""
-        agent = self._agents.get(run.agent)
-        wait = run.waiting
-        if agent is None or agent.notifier is None or wait is None or wait.notified_at:
-            return
-        # One notifier call at a time per wait point, across every engine and tick.
-        lock_id = f"notify:{wait.token_id}"
-        ttl = max(self.lease_ttl, _NOTIFY_LOCK_S)
-        try:
-            if not self.leases.acquire(lock_id, self.owner, ttl):
-                return
-        except Exception as exc:
-            self.report(exc)
-            return
-        try:
-            current = self.store.get_run(run.id)
-            if current.waiting is None or current.waiting.token_id != wait.token_id:
-                return
-            if current.waiting.notified_at is not None:
-                return
-            token = approvals.mint(self.secret, run.id, wait)
-            try:
-                # Held for as long as the notifier takes (a slow webhook): a tick
-                # meanwhile would otherwise call it again.
-                with self._holding(lock_id, ttl):
-                    agent.notifier(current, current.waiting, token)
-            except Exception as exc:
-                # Its own kind: a webhook's OSError is not the store or Redis going away.
-                raise NotifierError(run.id, exc) from exc
-            notified = current.waiting.model_copy(update={"notified_at": utcnow()})
-            committed = self.store.commit(
-                current,
-                Guard(status=RunStatus.WAITING, token_id=wait.token_id),
-                Commit(waiting=notified),
-            )
-            if committed is not None:
-                self.events.run_updated(committed.run)
-        except Exception as exc:
-            self.report(exc)
-        finally:
-            try:
-                self.leases.release(lock_id, self.owner)
-            except Exception as exc:
-                self.report(exc)
-
-    @contextlib.contextmanager
-    def _holding(self, lock_id: str, ttl: float) -> Iterator[None]:
-        """Renew a lease this engine holds every third of ``ttl`` until the block ends."""
-        done = threading.Event()
-
-        def renew() -> None:
-            while not done.wait(ttl / 3):
-                try:
-                    if not self.leases.renew(lock_id, self.owner, ttl):
-                        return
-                except Exception as exc:
-                    self.report(exc)
-
-        renewer = threading.Thread(target=renew, name="agentruns-notify-lock", daemon=True)
-        renewer.start()
-        try:
-            yield
-        finally:
-            done.set()
-            renewer.join()
-
     def report(self, exc: Exception) -> None:
         if self._on_error is None:
             if isinstance(exc, LeaseLostError):
@@ -582,77 +497,11 @@ class Engine:
 
     def resume(self, token: str, *, approved: bool, reason: str | None = None) -> Run:
         """Answer the approval a token stands for, once; the run is queued again."""
-        if not isinstance(approved, bool):
-            raise TypeError(f"approved must be True or False, not {approved!r}")
-        if reason is not None and not (isinstance(reason, str) and is_utf8(reason)):
-            raise TypeError(f"reason must be UTF-8 text or None, not {reason!r}")
-        claims = approvals.verify(self.secret, token)
-        try:
-            run = self.store.get_run(claims.run_id)
-        except AgentrunsError:
-            raise InvalidTokenError("stale", "the token's run does not exist") from None
-        if run.status is not RunStatus.WAITING or not approvals.matches(
-            claims, run.id, run.waiting
-        ):
-            raise InvalidTokenError("stale", "the run is not waiting on this token")
-        if run.waiting is not None and run.waiting.expires_at <= utcnow():
-            raise InvalidTokenError("expired")  # tick has not answered it yet
-        if run.agent not in self._agents:
-            # As dispatch: an engine that could not run the answered run refuses, and
-            # the token stays good for one that can.
-            raise UnknownAgentError(run.agent)
-        return self._answer(run, approved=approved, reason=reason)
-
-    def _answer(self, run: Run, *, approved: bool, reason: str | None) -> Run:
-        wait = run.waiting
-        assert wait is not None and wait.tool_call_id is not None
-        pending = dict(self.store.pending(run.id) or {})
-        if approved:
-            asked_again = (pending.get(wait.tool_call_id) or {}).get("unknown", False)
-            # "unknown": what was approved is calling it again (see execution.py).
-            pending[wait.tool_call_id] = {"status": "approved", "unknown": asked_again}
-        else:
-            pending[wait.tool_call_id] = {
-                "status": "done",
-                "content": f"The call was denied: {reason or 'no reason given'}",
-                "is_error": True,
-            }
-        now = utcnow()
-        agent = self._agents.get(run.agent)
-        # The wait step spans the wait: from the pause to the answer.
-        asked = wait.expires_at - agent.approval_ttl if agent is not None else now
-        step = NewStep(
-            kind="wait",
-            name=wait.tool_name,
-            input=wait.input,
-            output={"approval_id": wait.approval_id, "approved": approved, "reason": reason},
-            started_at=min(asked, now),
-            finished_at=now,
-        )
-        committed = self.store.commit(
-            run,
-            Guard(status=RunStatus.WAITING, token_id=wait.token_id),
-            # The same step index: the answer joins the checkpoint of the step that asked.
-            Commit(
-                steps=[step],
-                pending=pending,
-                checkpoint=(run.steps_used - 1, "tool_use"),
-                status=RunStatus.QUEUED,
-                waiting=None,
-            ),
-        )
-        if committed is None:
-            raise InvalidTokenError("stale", "the approval was answered or cancelled meanwhile")
-        self.published(committed)
-        self.scheduler.schedule(run.id)
-        return committed.run
+        return self._approvals.resume(token, approved=approved, reason=reason)
 
     def approval_token(self, run_id: str) -> str:
         """Mint the current resume token of a waiting run again (for an operator)."""
-        run = self.store.get_run(_run_id(run_id))
-        if run.status is not RunStatus.WAITING or run.waiting is None:
-            raise AgentrunsError(f"run {run_id} is {run.status.value}, not waiting on an approval")
-        return approvals.mint(self.secret, run.id, run.waiting)
+        return self._approvals.token(self.store.get_run(_run_id(run_id)))
 
     # -- control -------------------------------------------------------------------------------
 
@@ -671,22 +520,7 @@ class Engine:
 
     def tick(self) -> None:
         """Deny approvals past their expiry; re-send notifications that did not go through."""
-        now = utcnow()
-        for run_id, wait in self.store.wait_points():
-            if wait.expires_at > now and wait.notified_at is not None:
-                continue  # nothing to do: most of them, read no further
-            try:
-                run = self.store.get_run(run_id)
-                if run.waiting is None or run.waiting.token_id != wait.token_id:
-                    continue  # answered meanwhile
-                if wait.expires_at <= now:
-                    # InvalidTokenError: someone answered it meanwhile.
-                    with contextlib.suppress(InvalidTokenError):
-                        self._answer(run, approved=False, reason="approval expired")
-                else:
-                    self.notify(run)
-            except Exception as exc:  # one run's trouble does not hold up the others
-                self.report(exc)
+        self._approvals.tick()
 
     def recover(self) -> list[str]:
         """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge was lost."""

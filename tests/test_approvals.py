@@ -22,7 +22,7 @@ from agentruns import (
     ToolContext,
     UnknownAgentError,
     WaitPoint,
-    approvals,
+    tokens,
     tool,
 )
 from agentruns.events import Event
@@ -159,8 +159,8 @@ def test_bad_tokens_are_refused_with_their_reason_and_change_nothing(
         ],
         "bad_signature": [_tamper(token), token[:-2] + ("AA" if token[-2:] != "AA" else "BB")],
     }
-    for reason, tokens in cases.items():
-        for bad in tokens:
+    for reason, bad_tokens in cases.items():
+        for bad in bad_tokens:
             with pytest.raises(InvalidTokenError) as err:
                 engine.resume(bad, approved=True)
             assert err.value.reason == reason, bad
@@ -217,9 +217,9 @@ def test_a_token_lasts_exactly_as_long_as_its_wait_point(
     token = engine.approval_token(run.id)
     # The token holds its expiry in whole seconds: never one before the wait point's.
     just_before = expires - timedelta(microseconds=1)
-    assert approvals.verify(engine.secret, token, now=just_before).run_id == run.id
+    assert tokens.verify(engine.secret, token, now=just_before).run_id == run.id
     # Past the wait point's own expiry and before tick has answered it: refused.
-    monkeypatch.setattr("agentruns.engine.utcnow", lambda: expires)
+    monkeypatch.setattr("agentruns.approvals.utcnow", lambda: expires)
     with pytest.raises(InvalidTokenError) as err:
         engine.resume(token, approved=True)
     assert err.value.reason == "expired"
@@ -287,14 +287,14 @@ def test_tick_goes_on_past_a_run_it_cannot_answer(
     engine = make_engine([agent])
     runs = [wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id) for _ in "ab"]
     time.sleep(1.1)
-    answer = engine._answer
+    answer = engine._approvals._answer
 
     def broken_for_the_first(run: Run, **kwargs: Any) -> Run:
         if run.id == runs[0].id:
             raise RuntimeError("this one is broken")
         return answer(run, **kwargs)
 
-    monkeypatch.setattr(engine, "_answer", broken_for_the_first)
+    monkeypatch.setattr(engine._approvals, "_answer", broken_for_the_first)
     engine.tick()
     assert engine.idle(10)
     statuses = [engine.get_run(r.id).status for r in runs]
@@ -542,7 +542,7 @@ def test_a_slow_notifier_holds_no_slot_and_is_called_once(
 ) -> None:
     # It held its execution's slot (with slots=1 every other run waited for it),
     # and its lock ran out under it: a tick meanwhile called it a second time.
-    monkeypatch.setattr("agentruns.engine._NOTIFY_LOCK_S", 0.5)  # lease_ttl 2 s: 2 s
+    monkeypatch.setattr("agentruns.approvals._NOTIFY_LOCK_S", 0.5)  # lease_ttl 2 s: 2 s
     notified: list[str] = []
     returned: list[str] = []
 

@@ -647,4 +647,8 @@ def _malformed(response: ModelResponse) -> str | None:
         # Stored, it would make the transcript one the provider refuses once anything
         # follows it (the next run of a thread, say).
         return f"the reply has no content (stop_reason={response.stop_reason})"
+    if not seen and not any(b["type"] == "text" and not _blank(b) for b in response.content):
+        # Thinking alone, say: the run would complete with no answer as its output.
+        kinds = ", ".join(sorted({b["type"] for b in response.content if not _blank(b)}))
+        return f"the reply holds no answer, only {kinds} (stop_reason={response.stop_reason})"
     return None

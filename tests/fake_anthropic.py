@@ -482,6 +482,9 @@ class _Handler(BaseHTTPRequestHandler):
         deltas: list[Block] = []
         if kind == "text":
             deltas = [{"type": "text_delta", "text": c} for c in _chunks(block["text"])]
+            deltas += [
+                {"type": "citations_delta", "citation": c} for c in block.get("citations", [])
+            ]
         elif kind == "tool_use":
             raw = planned.get("partial_json")
             if raw is None:

@@ -232,6 +232,67 @@ def test_thinking_blocks_are_kept_as_returned_so_they_can_be_sent_back(
 # --- retries ----------------------------------------------------------------
 
 
+def test_server_tools_are_sent_after_the_agents_and_their_blocks_are_kept_to_send_back(
+    fake: FakeAnthropic,
+) -> None:
+    web_search = {"type": "web_search_20250305", "name": "web_search", "max_uses": 3}
+    call = {
+        "type": "server_tool_use",
+        "id": "srvtoolu_1",
+        "name": "web_search",
+        "input": {"query": "celery acks_late"},
+    }
+    results = {
+        "type": "web_search_tool_result",
+        "tool_use_id": "srvtoolu_1",
+        "content": [
+            {
+                "type": "web_search_result",
+                "title": "Tasks",
+                "url": "https://docs.celeryq.dev/tasks",
+                "encrypted_content": "enc-1",
+                "page_age": None,
+            }
+        ],
+    }
+    cited = {
+        "type": "text",
+        "text": "Acks come after the task.",
+        "citations": [
+            {
+                "type": "web_search_result_location",
+                "cited_text": "acks late",
+                "url": "https://docs.celeryq.dev/tasks",
+                "title": "Tasks",
+                "encrypted_index": "idx-1",
+            }
+        ],
+    }
+    fake.push(reply(call, results, cited))
+    model = make_model(fake, tools=[web_search])
+    response = model.complete(request(), threading.Event())
+
+    sent = fake.requests[0].body["tools"]
+    assert [t["name"] for t in sent] == ["search_issues", "web_search"]
+    assert sent[1] == web_search
+    # What the model found and cited stays in the transcript, for its next turns.
+    assert response.content[0] == call
+    assert response.content[1]["type"] == "web_search_tool_result"
+    assert response.content[1]["content"][0]["encrypted_content"] == "enc-1"
+    assert response.content[2] == cited
+    assert response.tool_calls == []  # the API ran the search: nothing for the engine
+    # ...and goes back to the API as it came.
+    transcript = [*request().messages, {"role": "assistant", "content": response.content}]
+    fake.push(reply(text("ok")))
+    model.complete(request([*transcript, {"role": "user", "content": "more?"}]), threading.Event())
+    assert fake.requests[1].messages[1]["content"][:2] == [call, response.content[1]]
+
+
+def test_tools_given_to_the_model_must_be_a_list_of_definitions() -> None:
+    with pytest.raises(TypeError, match="list of tool definitions"):
+        AnthropicModel("claude-x", tools="web_search")
+
+
 def test_two_overloaded_errors_then_success_take_exactly_three_requests(
     fake: FakeAnthropic,
 ) -> None:
@@ -333,6 +394,17 @@ def test_retry_after_header_sets_the_wait_before_the_next_try(
     assert 0.28 <= second.at - first.at < 2.0
 
 
+@pytest.mark.parametrize("value", ["0", "-3", "Wed, 21 Oct 2015 07:28:00 GMT"])
+def test_a_retry_after_of_no_time_backs_off_as_the_sdk_would(
+    fake: FakeAnthropic, value: str
+) -> None:
+    fake.push(error(429, headers={"retry-after": value}), reply(text("ok")))
+    make_model(fake, retry_base_s=0.4, retry_cap_s=0.4).complete(request(), threading.Event())
+
+    first, second = fake.requests
+    assert second.at - first.at >= 0.19  # jittered backoff: 0.2 to 0.4 s, not at once
+
+
 def test_overloaded_error_inside_the_stream_is_retried(fake: FakeAnthropic) -> None:
     fake.push(reply(text("x"), stream_error="overloaded_error"), reply(text("ok")))
     assert make_model(fake).complete(request(), threading.Event()).text == "ok"
@@ -350,6 +422,16 @@ def test_a_stream_cut_off_mid_body_is_retried(fake: FakeAnthropic) -> None:
     fake.push(dropped(), reply(text("ok")))
     assert make_model(fake).complete(request(), threading.Event()).text == "ok"
     assert len(fake.requests) == 2
+
+
+def test_a_stream_cut_off_every_time_says_so_not_that_the_api_was_unreachable(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(dropped(), dropped())
+    with pytest.raises(ModelError) as err:
+        make_model(fake, max_retries=1).complete(request(), threading.Event())
+    assert "response stream was cut off after 2 tries" in str(err.value)
+    assert "could not reach" not in str(err.value)
 
 
 def test_unreachable_server_fails_with_a_connection_message_after_retries() -> None:
@@ -448,6 +530,23 @@ def test_pause_turn_continues_with_the_assistant_content_and_merges_the_turn(
     assert second.body["system"] == first.body["system"]
 
 
+@pytest.mark.parametrize("then", ["refused", "cut"])
+def test_a_paused_turns_tokens_count_when_its_continuation_fails(
+    fake: FakeAnthropic, then: str
+) -> None:
+    paused = reply(text("Searching..."), stop_reason="pause_turn", usage=usage(5000, 300))
+    if then == "refused":
+        fake.push(paused, error(400, message="bad continuation"))
+        spent = Usage(input_tokens=5000, output_tokens=300)
+    else:
+        cut = tool_use("search_issues", partial_json='{"query": "cra"')
+        fake.push(paused, reply(cut, usage=usage(3000, 50)))
+        spent = Usage(input_tokens=8000, output_tokens=350)
+    with pytest.raises(ModelError) as err:
+        make_model(fake).complete(request(), threading.Event())
+    assert err.value.usage == spent
+
+
 def test_refusal_fails_with_model_error_and_the_tokens_it_spent(fake: FakeAnthropic) -> None:
     fake.push(reply(text("I can't help with that."), stop_reason="refusal", usage=usage(40, 9)))
     with pytest.raises(ModelError, match="refused") as err:
@@ -489,6 +588,21 @@ def test_max_tokens_with_only_text_is_returned_as_it_is(fake: FakeAnthropic) -> 
     assert response.stop_reason == "max_tokens"
     assert response.text == "A long answer that got cu"
     assert response.tool_calls == []
+
+
+def test_max_tokens_spent_on_thinking_before_any_answer_fails_with_the_tokens(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(
+        reply(
+            thinking("Let me think about this at length"),
+            stop_reason="max_tokens",
+            usage=usage(70, 4096),
+        )
+    )
+    with pytest.raises(ModelError, match=r"cut off .*before it answered") as err:
+        make_model(fake).complete(request(), threading.Event())
+    assert err.value.usage == Usage(input_tokens=70, output_tokens=4096)
 
 
 def test_context_window_exceeded_inside_a_tool_call_fails(fake: FakeAnthropic) -> None:

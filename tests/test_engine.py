@@ -597,6 +597,9 @@ def test_malformed_model_reply_fails_with_model_error_keeping_the_transcript(
         [],
         text(""),
         [text(" \n"), text("")],
+        # No answer: the run would complete with nothing as its output.
+        {"type": "thinking", "thinking": "Hmm.", "signature": "s"},
+        [{"type": "thinking", "thinking": "Hmm.", "signature": "s"}, text(" ")],
     ]
     for reply in malformed:
         model = ScriptedModel(

@@ -33,11 +33,10 @@ _TRANSIENT_STATUS = frozenset({408, 409, 429})
 _TRANSIENT_STREAM_ERRORS = frozenset(
     {"overloaded_error", "api_error", "rate_limit_error", "timeout_error"}
 )
-_RESERVED = frozenset({"model", "max_tokens", "messages", "system", "tools", "stream"})
+_RESERVED = frozenset({"model", "max_tokens", "messages", "system", "stream"})
 _STREAM_PARAMS = frozenset(inspect.signature(Messages.stream).parameters) - {"self"}
 _UNCACHEABLE = frozenset({"thinking", "redacted_thinking"})
 _CUT_OFF = frozenset({"max_tokens", "model_context_window_exceeded"})
-_KEPT_BLOCKS = frozenset({"thinking", "redacted_thinking"})
 
 
 class _IncompleteStream(Exception):
@@ -80,11 +79,14 @@ class AnthropicModel:
     ``model_context_window_exceeded`` raise ``ModelError`` when the reply holds
     a tool call (its input may be cut off, and an unanswered ``tool_use`` must
     never reach the transcript); a text-only reply is returned with that stop
-    reason, so the engine takes the truncated text as the final answer.
+    reason, so the engine takes the truncated text as the final answer; a reply
+    cut off before any text (thinking took every token) raises ``ModelError``.
 
-    Returned content holds ``text`` and ``tool_use`` blocks, plus ``thinking``
-    and ``redacted_thinking`` blocks exactly as received (the API wants them
-    sent back unchanged); citations and server-tool blocks are dropped.
+    Returned content holds every block of the reply as received (the API wants
+    them sent back unchanged): ``text`` (with its citations) and ``tool_use``,
+    ``thinking`` and ``redacted_thinking``, and the calls and results of server
+    tools, which ``tools=[...]`` adds to the agent's (``{"type":
+    "web_search_20250305", "name": "web_search"}``, say).
     """
 
     def __init__(
@@ -101,6 +103,14 @@ class AnthropicModel:
         reserved = _RESERVED & create_kwargs.keys()
         if reserved:
             raise TypeError(f"AnthropicModel sets {sorted(reserved)} itself")
+        # Tools of the API's own (server tools: web search, code execution...), sent
+        # after the agent's: the API runs them, and their blocks stay in the transcript.
+        server_tools = create_kwargs.pop("tools", None) or []
+        if not isinstance(server_tools, list | tuple) or not all(
+            isinstance(t, dict) for t in server_tools
+        ):
+            raise TypeError("tools must be a list of tool definitions (dicts)")
+        self._server_tools = [dict(t) for t in server_tools]
         if max_retries < 0:
             raise ValueError("max_retries must be >= 0")
         self._model = model
@@ -131,7 +141,12 @@ class AnthropicModel:
         usage = Usage()
         for _ in range(MAX_PAUSE_TURNS + 1):
             turn = [*messages, {"role": "assistant", "content": raw}] if raw else messages
-            message = self._call(client, {**params, "messages": _mark_newest(turn)}, signal)
+            try:
+                message = self._call(client, {**params, "messages": _mark_newest(turn)}, signal)
+            except ModelError as exc:
+                # The paused turns before it were answered, and counted by the provider.
+                exc.usage = usage + (exc.usage or Usage())
+                raise
             usage = usage + _usage(message)
             raw += [block.model_dump(mode="json", exclude_none=True) for block in message.content]
             content += _content(message)
@@ -172,6 +187,8 @@ class AnthropicModel:
                 }
                 for spec in request.tools
             ]
+        if self._server_tools:
+            params["tools"] = [*params.get("tools", []), *self._server_tools]
         params.update(self._create_kwargs)
         return params
 
@@ -205,8 +222,9 @@ class AnthropicModel:
     def _wait(self, state: tenacity.RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome is not None else None
         retry_after = _retry_after(exc) if exc is not None else None
-        if retry_after is not None:
-            return min(max(retry_after, 0.0), MAX_RETRY_AFTER_S)
+        if retry_after is not None and retry_after > 0:
+            return min(retry_after, MAX_RETRY_AFTER_S)
+        # None, zero or a date gone by: the usual backoff, as the SDK's own retries do.
         delay = min(self._retry_cap_s, self._retry_base_s * 2 ** (state.attempt_number - 1))
         return random.uniform(delay / 2, delay)
 
@@ -226,6 +244,13 @@ class AnthropicModel:
             raise ModelError(
                 f"the model's response was cut off (stop_reason={stop}) in the middle of a"
                 f" tool call; raise max_tokens (now {self._max_tokens}) or shorten the transcript",
+                usage,
+            )
+        if stop in _CUT_OFF and not any(b["type"] == "text" and b["text"].strip() for b in content):
+            # Thinking took every token: there is no answer to take as the run's output.
+            raise ModelError(
+                f"the model's response was cut off (stop_reason={stop}) before it answered;"
+                f" raise max_tokens (now {self._max_tokens}) or shorten the transcript",
                 usage,
             )
         return ModelResponse(content=content, stop_reason=stop, usage=usage, model=message.model)
@@ -265,6 +290,9 @@ class _Stream:
                         raise _IncompleteStream("the response stream ended before message_stop")
                     self.message = stream.get_final_message()
                     self._check_inputs(self.message)
+                except (anthropic.APIConnectionError, httpx2.TransportError) as exc:
+                    # The API was reached and was answering: the stream broke off.
+                    raise _IncompleteStream(str(exc) or type(exc).__name__) from exc
                 finally:
                     with self._lock:
                         self._response = None
@@ -451,15 +479,15 @@ def _mark_newest(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _content(message: Message) -> list[dict[str, Any]]:
+    """The reply's blocks as the API wants them sent back: every one, unchanged
+    (thinking with its signature, server tools' calls and results, citations)."""
     blocks: list[dict[str, Any]] = []
     for block in message.content:
-        if block.type == "text":
-            blocks.append({"type": "text", "text": block.text})
-        elif block.type == "tool_use":
+        if block.type == "tool_use":
             blocks.append(
                 {"type": "tool_use", "id": block.id, "name": block.name, "input": block.input}
             )
-        elif block.type in _KEPT_BLOCKS:
+        else:
             blocks.append(block.model_dump(mode="json", exclude_none=True))
     return blocks
 

@@ -55,7 +55,7 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         # Celery's worker calls this first when it stops, warm or cold, for any cause
         # (its own Consumer has no such method). Signals already drained the runs;
         # a remote `celery control shutdown` sends none, so it drains here.
-        from agentruns.celery import begin_shutdown
+        from agentruns.worker import begin_shutdown
 
         begin_shutdown()
 

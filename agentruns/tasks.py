@@ -29,10 +29,11 @@ from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
 from agentruns.broker import send_together
-from agentruns.celery import app, get_engine, shutting_down
+from agentruns.celery import app
 from agentruns.engine import Engine
 from agentruns.errors import AgentrunsError, NotMigratedError
 from agentruns.runs import Run, RunStatus
+from agentruns.worker import get_engine, shutting_down
 
 log = logging.getLogger("agentruns")
 

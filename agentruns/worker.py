@@ -1,0 +1,224 @@
+"""A Celery worker's own engine, one per process, and its drain when the worker stops.
+
+The engine is built from ``AGENTRUNS_*`` settings the first time a task needs
+it, once per process: a prefork child builds its own after the fork, so no
+database or Redis connection crosses a fork. Warm shutdown, cold shutdown and
+a remote ``shutdown`` drain it: runs in flight settle ``interrupted`` and
+``recover`` gives them to another worker.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+from typing import TYPE_CHECKING, Any
+
+from celery import signals
+from celery.utils.imports import cwd_in_path
+
+from agentruns.celery import sweeps_queue
+from agentruns.settings import get_settings
+
+if TYPE_CHECKING:
+    from agentruns.engine import Engine
+
+log = logging.getLogger("agentruns")
+
+# How long warm shutdown waits for in-flight runs to settle ``interrupted``;
+# a tool call in progress is never cut short, so this bounds the wait, not the work.
+DRAIN_TIMEOUT_S = 10.0
+# Sent by the worker's main process to its prefork children: "drain now".
+_DRAIN_SIGNAL = signal.SIGUSR2
+
+# -- the process's engine -------------------------------------------------------------
+
+_engine: Engine | None = None
+_engine_lock = threading.Lock()
+_slots: int | None = None  # the pool's concurrency, once the worker knows it
+_shutting_down = threading.Event()
+
+
+def get_engine() -> Engine:
+    """This process's engine, built from settings on first use."""
+    global _engine
+    with _engine_lock:
+        if _engine is None:
+            _engine = _build_engine()
+        return _engine
+
+
+def shutting_down() -> bool:
+    """True once this process has started to drain; executions it receives go back."""
+    return _shutting_down.is_set()
+
+
+def _build_engine() -> Engine:
+    from agentruns.celery import app
+    from agentruns.engine import Engine
+    from agentruns.leases import RedisLeases
+    from agentruns.schedulers.celery import CeleryScheduler
+
+    settings = get_settings()
+    overrides: dict[str, Any] = {"scheduler": CeleryScheduler(app)}
+    if settings.redis_url is None:
+        # Leases must be shared by every worker: without AGENTRUNS_REDIS_URL, use
+        # the broker's Redis rather than the in-process leases of the embedded mode.
+        broker = str(app.conf.broker_url or "")
+        if not broker.startswith(("redis://", "rediss://", "unix://")):
+            raise RuntimeError("agentruns workers need Redis for leases: set AGENTRUNS_REDIS_URL")
+        overrides["leases"] = RedisLeases(broker)
+    if _slots is not None:
+        # Every pool slot may hold a run; the pool, not the engine, is the limit here.
+        overrides["slots"] = max(settings.slots, _slots)
+    # Agent modules (AGENTRUNS_AGENTS) import from the working directory, like celeryconfig.
+    with cwd_in_path():
+        engine = Engine.from_settings(**overrides)
+    log.info(
+        "agentruns engine %s ready: %d slots, agents %s",
+        engine.owner,
+        engine.slots,
+        ", ".join(engine.agents),
+    )
+    return engine
+
+
+def _pool_kind(pool: Any) -> str:
+    """``prefork``, ``thread``, ``solo``, ``gevent``…: the module that implements the pool."""
+    return str(type(pool).__module__).rpartition(".")[2]
+
+
+# -- worker signals ---------------------------------------------------------------------
+
+_pool: Any = None  # the worker's pool, known from worker_ready
+
+
+def _on_worker_ready(sender: Any = None, **_: Any) -> None:
+    global _pool, _slots
+    _pool = getattr(sender, "pool", None)
+    limit = getattr(_pool, "limit", None)
+    _slots = limit if isinstance(limit, int) and limit > 0 else None
+    _say_if_the_sweeps_queue_is_not_consumed(sender)
+    # The sender is the worker's consumer; its controller holds the pool's limits.
+    soft = getattr(getattr(sender, "controller", None), "soft_time_limit", None)
+    if soft:
+        log.warning(
+            "agentruns: its tasks ignore the worker's soft time limit (%s s): it would "
+            "raise inside a tool at any point; Budget.timeout_s bounds a run instead",
+            soft,
+        )
+    if _pool is not None and _pool_kind(_pool) != "prefork":
+        # This process runs the tasks. Fail loudly at start (unmigrated database,
+        # unknown agent module), not per task; tasks try again until it works.
+        try:
+            get_engine()
+        except Exception:
+            log.exception("agentruns: could not build the engine; tasks will fail until fixed")
+
+
+def _say_if_the_sweeps_queue_is_not_consumed(consumer: Any) -> None:
+    """A worker started with ``-Q`` naming the runs' queue alone never gets beat's
+    sweeps: if no worker does, approvals never expire and lost runs stay lost."""
+    queue = getattr(getattr(consumer, "app", None), "conf", {}).get("task_default_queue")
+    task_consumer = getattr(consumer, "task_consumer", None)
+    if not isinstance(queue, str) or task_consumer is None:
+        return
+    consumed = {q.name for q in task_consumer.queues}
+    if queue in consumed and sweeps_queue(queue) not in consumed:
+        log.warning(
+            "agentruns: this worker does not consume %r, where beat sends tick and "
+            "recover; unless another worker does, they never run (-Q %s,%s)",
+            sweeps_queue(queue),
+            queue,
+            sweeps_queue(queue),
+        )
+
+
+def _on_worker_process_init(**_: Any) -> None:
+    """A prefork child: forget anything inherited, build its own engine on first use."""
+    global _engine, _engine_lock
+    # The inherited engine's sockets belong to the parent: drop it, don't close it.
+    _engine = None
+    _engine_lock = threading.Lock()  # another thread may have held it at the fork
+    _shutting_down.clear()
+    signal.signal(_DRAIN_SIGNAL, _on_drain_signal)
+
+
+def _on_drain_signal(signum: int, frame: Any) -> None:
+    _shutting_down.set()
+    _start_drain()
+
+
+def _start_drain() -> threading.Thread:
+    # Never in the signal handler itself: the thread it interrupted may hold the
+    # engine's locks, or (prefork, solo) be the very execution that must settle.
+    drainer = threading.Thread(target=_drain, name="agentruns-drain", daemon=True)
+    drainer.start()
+    return drainer
+
+
+def _drain() -> None:
+    engine = _engine
+    if engine is None:
+        return
+    try:
+        engine.drain(timeout=DRAIN_TIMEOUT_S)
+    except Exception:
+        log.exception("agentruns: drain failed")
+
+
+def _on_worker_shutting_down(**_: Any) -> None:
+    """Warm or cold shutdown: in-flight runs settle ``interrupted`` and release their claims.
+
+    Their tasks then return and their messages are acked; ``recover`` requeues
+    the runs for another worker.
+    """
+    _shutting_down.set()
+    _drain_pool()
+
+
+def begin_shutdown() -> None:
+    """The worker stops (its consumer closes): drain, unless a signal already did.
+
+    Celery sends ``worker_shutting_down`` only from its signal handlers; a remote
+    ``shutdown`` command stops the worker without it, and the pool would otherwise
+    wait for every run in flight to finish."""
+    if not _shutting_down.is_set():
+        _shutting_down.set()
+        _drain_pool()
+
+
+def _drain_pool() -> None:
+    pool = _pool
+    kind = _pool_kind(pool) if pool is not None else "thread"
+    if kind == "prefork":
+        # The runs are in the children; each drains on this signal.
+        for pid in pool.info.get("processes", []):
+            with contextlib.suppress(OSError):  # already gone
+                os.kill(pid, _DRAIN_SIGNAL)
+        return
+    drainer = _start_drain()
+    if kind == "thread":
+        # The runs are in pool threads: wait until they settle, so that their
+        # tasks return (and their messages are acked) before Celery stops consuming.
+        drainer.join(DRAIN_TIMEOUT_S + 1)
+
+
+def _on_shutdown(**_: Any) -> None:
+    global _engine
+    with _engine_lock:
+        engine, _engine = _engine, None
+    if engine is not None:
+        try:
+            engine.close()
+        except Exception:
+            log.exception("agentruns: closing the engine failed")
+
+
+signals.worker_ready.connect(_on_worker_ready)
+signals.worker_process_init.connect(_on_worker_process_init)
+signals.worker_shutting_down.connect(_on_worker_shutting_down)
+signals.worker_process_shutdown.connect(_on_shutdown)
+signals.worker_shutdown.connect(_on_shutdown)

@@ -735,6 +735,26 @@ def test_a_threads_runs_go_in_the_order_they_were_sent_whatever_the_clocks(
     assert engine.execute(second.id).output == "answer 3"
 
 
+def test_a_thread_continues_the_run_that_completed_last_whatever_its_workers_clock(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Picked by finished_at from the writer's clock, the run a worker 30 s behind
+    # completed looked older than the one before it: the next run skipped it.
+    from agentruns.store import sql
+
+    model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"))
+    engine = make_engine([Agent("a", model)], scheduler=ManualScheduler())
+    real = sql.utcnow
+    runs = [engine.dispatch("a", trigger({"q": q}), thread="chat") for q in range(3)]
+    assert engine.execute(runs[0].id).output == "answer 1"
+    monkeypatch.setattr(sql, "utcnow", lambda: real() - timedelta(seconds=30))
+    assert engine.execute(runs[1].id).output == "answer 3"  # on a worker behind
+    monkeypatch.undo()
+    assert engine.execute(runs[2].id).output == "answer 5"  # after both, not only the first
+    seen = [json.loads(m["content"])["payload"] for m in model.calls[2] if m["role"] == "user"]
+    assert seen == [{"q": 0}, {"q": 1}, {"q": 2}]
+
+
 def _own_messages(engine: Engine) -> dict[str, int]:
     """How many message rows each run stored itself, by run id."""
     with engine.store.engine.connect() as conn:

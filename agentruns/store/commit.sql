@@ -20,7 +20,9 @@ WITH run AS (
         state = CASE WHEN %(set_state)s THEN %(state)s::json ELSE state END,
         pending = CASE WHEN %(set_pending)s THEN %(pending)s::json ELSE pending END,
         status = COALESCE(%(status)s, status),
-        finished_at = CASE WHEN %(final)s THEN %(now)s ELSE finished_at END,
+        -- Postgres' clock, as created_at's: a thread continues the run that finished
+        -- last, and a worker whose clock is behind must not make its run look older.
+        finished_at = CASE WHEN %(final)s THEN statement_timestamp() ELSE finished_at END,
         output = COALESCE(%(output)s, output),
         error = CASE WHEN %(set_error)s THEN %(error)s::json ELSE error END,
         waiting = CASE WHEN %(set_waiting)s THEN %(waiting)s::json ELSE waiting END,

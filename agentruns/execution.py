@@ -183,6 +183,7 @@ class Execution:
     ) -> tuple[list[dict[str, Any]], list[dict[str, Any]], dict[str, Any], dict[str, Any]]:
         """The transcript to continue, the start messages not stored yet, pending answers, state."""
         stored = self.start
+        state = stored.state
         if stored.damaged is not None:
             raise InvalidCheckpointError(f"cannot read {stored.damaged}")
         messages = stored.messages
@@ -194,8 +195,12 @@ class Execution:
             )
         if len(messages) == stored.base_messages:  # none of its own yet: a new run
             if not messages and self.run.thread is not None:
-                # Continue the thread's previous run: its transcript, read, not copied.
-                messages = self.store.start_thread(self.run.id, self.epoch, self.run.thread)
+                # Continue the thread's previous run: its transcript, read, not copied,
+                # and the state it ended with.
+                messages, inherited = self.store.start_thread(
+                    self.run.id, self.epoch, self.run.thread
+                )
+                state = inherited if state is None else state
             unsaved = [self.run.trigger.first_message()]
             messages = [*messages, *unsaved]
         else:
@@ -210,7 +215,7 @@ class Execution:
                     f"{stored.checkpoint_messages}"
                 )
         transcript.validate(messages)
-        return messages, unsaved, dict(stored.pending or {}), self._initial_state(stored.state)
+        return messages, unsaved, dict(stored.pending or {}), self._initial_state(state)
 
     def _initial_state(self, stored: dict[str, Any] | None) -> dict[str, Any]:
         if stored is not None or self.agent.state is None:

@@ -651,6 +651,44 @@ def test_state_tools_read_and_merge_state_saved_with_the_checkpoint(
     assert checkpoint is not None and checkpoint.state == {"seen": 3, "label": "none"}
 
 
+@pytest.mark.parametrize("interrupted", [False, True], ids=["whole", "interrupted"])
+def test_a_threads_next_run_starts_with_the_state_its_previous_run_ended_with(
+    make_engine: EngineFactory, interrupted: bool
+) -> None:
+    # It started from the default state, while its transcript showed the model
+    # setting another: read_state contradicted what the model had seen.
+    class Notes(BaseModel):
+        seen: int = 0
+
+    script = [
+        tool_use("update_state", {"seen": 7}),
+        text("saved"),
+        tool_use("read_state", {}),
+        text("read"),
+    ]
+    model = ScriptedModel(script)
+    engine = make_engine([Agent("a", model, state=Notes)], scheduler=ManualScheduler())
+    first = engine.dispatch("a", trigger({"q": 1}), thread="chat")
+    assert engine.execute(first.id).status is RunStatus.COMPLETED
+    second = engine.dispatch("a", trigger({"q": 2}), thread="chat")
+    if interrupted:
+        # Drained in its first model call, with nothing of its own saved: its next
+        # execution, on another engine, starts from the state it inherited.
+        slow = ScriptedModel(script, latency_s=30)
+        drained = make_engine([Agent("a", slow, state=Notes)], scheduler=ManualScheduler())
+        worker = threading.Thread(target=drained.execute, args=(second.id,))
+        worker.start()
+        wait_for(lambda: slow.calls, "its model call")
+        drained.drain()
+        worker.join(10)
+        assert engine.get_run(second.id).status is RunStatus.INTERRUPTED
+        assert engine.recover() == [second.id]
+    assert engine.execute(second.id).status is RunStatus.COMPLETED
+    assert json.loads(model.calls[-1][-1]["content"][0]["content"]) == {"seen": 7}
+    checkpoint = engine.checkpoint(second.id)
+    assert checkpoint is not None and checkpoint.state == {"seen": 7}
+
+
 def test_an_agents_concurrency_key_callable_is_checked(make_engine: EngineFactory) -> None:
     def by_issue(t: TriggerEnvelope) -> Any:
         return t.payload["issue"]

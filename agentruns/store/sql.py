@@ -244,14 +244,17 @@ class SqlStore:
             raise RunNotFoundError(run_id)
         return row[0]  # type: ignore[no-any-return]
 
-    def start_thread(self, run_id: str, epoch: int, thread: str) -> list[dict[str, Any]]:
+    def start_thread(
+        self, run_id: str, epoch: int, thread: str
+    ) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
         """Make a claimed run with no messages continue the thread's latest completed
-        run, and return that run's transcript (none: ``[]``, and nothing changes).
+        run: its transcript, and its state, which the run keeps from now on (none:
+        ``[]`` and None, and nothing changes).
 
         Guarded as every write: ``LeaseLostError`` if this epoch no longer owns the run."""
         with self._atomic.begin() as conn:
             prev = conn.execute(
-                sa.select(R.c.key, R.c.checkpoint_messages)
+                sa.select(R.c.key, R.c.checkpoint_messages, R.c.state)
                 .where(
                     R.c.thread == thread,
                     R.c.status == RunStatus.COMPLETED.value,
@@ -262,7 +265,9 @@ class SqlStore:
                 .order_by(R.c.finished_at.desc())
                 .limit(1)
             ).first()
-            base_key, base_count = (prev[0], prev[1] or 0) if prev is not None else (None, 0)
+            base_key, base_count, state = (
+                (prev[0], prev[1] or 0, prev[2]) if prev is not None else (None, 0, None)
+            )
             update = R.update().where(
                 R.c.id == run_id,
                 _status_of_one == RunStatus.RUNNING.value,
@@ -273,13 +278,18 @@ class SqlStore:
                 update = update.values(
                     base_key=base_key, base_count=base_count, message_count=base_count
                 )
+                if isinstance(state, dict):
+                    # A later execution (after a crash) starts from the run's own state.
+                    update = update.values(state=state)
+                else:
+                    state = None  # none, or damaged by hand: the agent's default
             else:
                 update = update.values(epoch=R.c.epoch)  # only the guard
             if conn.execute(update).rowcount != 1:
                 raise LeaseLostError(run_id)
             if base_key is None:
-                return []
-            return history.messages(conn, base_key, base_count)
+                return [], None
+            return history.messages(conn, base_key, base_count), state
 
     # -- claims and guarded writes -------------------------------------------
 

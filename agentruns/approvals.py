@@ -61,11 +61,16 @@ class Approvals:
             # "unknown": what was approved is calling it again (see execution.py).
             pending[wait.tool_call_id] = {"status": "approved", "unknown": asked_again}
         else:
-            pending[wait.tool_call_id] = {
-                "status": "done",
-                "content": f"The call was denied: {reason or 'no reason given'}",
-                "is_error": True,
-            }
+            said = reason or "no reason given"
+            denied = f"The call was denied: {said}"
+            if (pending.get(wait.tool_call_id) or {}).get("unknown", False):
+                # Asked to call it again: the model must not take it for never made.
+                denied = (
+                    "The call was not made again: a crash left the outcome of an earlier"
+                    f" attempt unknown (it may have happened), and calling it again was"
+                    f" denied: {said}"
+                )
+            pending[wait.tool_call_id] = {"status": "done", "content": denied, "is_error": True}
         now = utcnow()
         agent = engine.agents.get(run.agent)
         # The wait step spans the wait: from the pause to the answer.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -237,6 +238,29 @@ def test_unknown_effect_outcome_with_approve_asks_a_human_before_calling_again(
     assert len(charges) == 2 and charges[0] == charges[1]
     answers = [s.output["approved"] for s in rescuer.steps(run.id) if s.kind == "wait"]
     assert answers == [True] * (2 if approve_first else 1)
+
+
+def test_denying_a_call_again_after_an_unknown_outcome_tells_the_model_it_may_have_happened(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    # It was told "The call was denied", as if nothing had been charged.
+    rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, "unknown_approve")
+    assert rescuer.get_run(run.id).status is RunStatus.WAITING
+    rescuer.resume(rescuer.approval_token(run.id), approved=False, reason="see the ledger")
+    assert rescuer.idle(20)
+    assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
+    assert len(charge_keys(helper)) == 1
+    checkpoint = rescuer.checkpoint(run.id)
+    assert checkpoint is not None
+    results = [
+        block
+        for message in checkpoint.messages
+        if message["role"] == "user" and isinstance(message["content"], list)
+        for block in message["content"]
+        if block.get("type") == "tool_result"
+    ]
+    told = json.dumps(results[-1])
+    assert results[-1]["is_error"] and "may have happened" in told and "see the ledger" in told
 
 
 @pytest.mark.parametrize(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import re
 import threading
 import types
 from collections.abc import Callable
@@ -26,6 +27,9 @@ from pydantic_core import to_jsonable_python
 
 from agentruns.models.base import ToolSpec
 from agentruns.runs import Run
+
+# What the Messages API takes as a tool's name.
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 OnUnknown = Literal["retry", "approve", "fail"]
 NeedsApproval = bool | Callable[[dict[str, Any], "ToolContext"], bool]
@@ -68,6 +72,12 @@ class Tool:
             raise ValueError(f"on_unknown must be retry, approve or fail, not {on_unknown!r}")
         self.fn = fn
         self.name = name or fn.__name__
+        if not isinstance(self.name, str) or not _TOOL_NAME.fullmatch(self.name):
+            # Else the first request that offers it fails, with the run, at the API.
+            raise ValueError(
+                f"tool name {self.name!r} is not one the Messages API takes: 1 to 64"
+                " ASCII letters, digits, '_' or '-'"
+            )
         self.description = description or inspect.getdoc(fn) or self.name
         self.effect = effect
         self.needs_approval = needs_approval

@@ -63,6 +63,22 @@ def test_parameters_a_json_object_cannot_fill_are_refused_when_the_tool_is_made(
             tool(fn)
 
 
+def test_a_tool_name_the_messages_api_refuses_is_refused_when_the_tool_is_made() -> None:
+    # Else every run offering it failed at its first model call, with the API's 400.
+    def café(q: str) -> str: ...
+    def ok(q: str) -> str: ...
+
+    for make in (
+        lambda: tool(café),
+        lambda: tool(name="search.issues")(ok),
+        lambda: tool(name="s" * 65)(ok),
+    ):
+        with pytest.raises(ValueError, match="not one the Messages API takes"):
+            make()
+    assert tool(name="search-issues_2")(ok).name == "search-issues_2"
+    assert tool(name="s" * 64)(ok).spec.name == "s" * 64
+
+
 def test_the_context_is_recognised_also_as_an_optional_parameter() -> None:
     @tool
     def post(body: str, ctx: ToolContext | None = None) -> str:

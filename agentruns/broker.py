@@ -21,6 +21,7 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import redis
 from kombu import exceptions as kombu_exceptions
 from kombu.transport import redis as kombu_redis
 from kombu.utils.uuid import uuid
@@ -37,6 +38,13 @@ class Channel(kombu_redis.Channel):
     _shared: Any = None
 
     def _create_client(self, asynchronous: bool = False) -> Any:
+        if self._pool is None and getattr(self.connection, "client", None) is None:
+            # The connection is closed: a new pool cannot be made for it. kombu asks for
+            # one as it closes a channel after the connection was lost, to give unacked
+            # messages back (acks late: every busy worker), and its AttributeError ended
+            # the worker. As a connection error, the closing goes on and the worker
+            # reconnects; the messages stay unacked in Redis, which redelivers them.
+            raise redis.ConnectionError("the broker connection is closed")
         if asynchronous:
             return super()._create_client(asynchronous=True)  # type: ignore[no-untyped-call]
         shared = self._shared

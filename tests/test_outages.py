@@ -7,20 +7,25 @@ a TCP proxy this test cuts, so the shared database other tests use stays up.
 
 from __future__ import annotations
 
+import os
 import shutil
 import signal
 import socket
 import subprocess
 import time
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 import sqlalchemy.exc
+from celery import Celery
 
 from agentruns import (
     Agent,
     Budget,
+    CeleryScheduler,
     Engine,
     LeaseLostError,
     LocalScheduler,
@@ -30,8 +35,12 @@ from agentruns import (
     tool,
 )
 from agentruns.models import ScriptedModel, text, tool_use
+from bench.cluster import Cluster
 from tests.conftest import Errors, free_port, trigger, wait_for
+from tests.support import celery_agents
 from tests.support.proxy import Proxy
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @tool
@@ -225,3 +234,58 @@ def test_a_stalled_redis_delays_neither_a_timeout_nor_the_stop_of_an_unrenewed_l
 def _settled(engine: Engine, run_id: str) -> Any:
     run = engine.get_run(run_id)
     return run if run.status is not RunStatus.RUNNING else None
+
+
+def test_a_busy_worker_outlives_its_broker_going_away_and_finishes_the_run_after(
+    db_url: str, private_redis: PrivateRedis, tmp_path: Path
+) -> None:
+    # With a run in flight (acks late: its message unacked), kombu's channel close
+    # after the lost connection raised AttributeError, and the worker exited for
+    # good: nothing was left to finish the run once Redis came back.
+    queue = f"agentruns-outage-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "AGENTRUNS_DATABASE_URL": db_url,
+        "AGENTRUNS_REDIS_URL": private_redis.url,
+        "AGENTRUNS_BROKER_URL": private_redis.url,
+        "AGENTRUNS_QUEUE": queue,
+        "AGENTRUNS_AGENTS": "tests.support.celery_agents",
+        "AGENTRUNS_SECRET": "s",
+        "AGENTRUNS_LEASE_TTL": "1",
+        "AGENTRUNS_TEST_LOG": str(tmp_path / "tools.log"),
+        "AGENTRUNS_TEST_LATENCY": "0.5",
+        "PYTHONPATH": str(ROOT),
+    }
+    group = Cluster(env, queue, tmp_path)
+    producer = Celery("producer", broker=private_redis.url)
+    producer.conf.update(task_default_queue=queue, broker_connection_retry=False)
+    engine = Engine(
+        SqlStore(db_url),
+        leases=RedisLeases(private_redis.url),
+        scheduler=CeleryScheduler(producer),
+        agents=[celery_agents.charger],
+        secret="s",
+        lease_ttl=1.0,
+    )
+    try:
+        (worker,) = group.workers("w", concurrency=4)
+        run = engine.dispatch("charger", trigger({}))
+        wait_for(lambda: len(engine.steps(run.id)) >= 2, "the run under way")
+        private_redis.kill()
+        time.sleep(3)  # the worker notices, and closes its broker connection
+        assert worker.alive(), worker.output()[-3000:]
+        assert "Unrecoverable error" not in worker.output()
+
+        private_redis.start()
+
+        def finished() -> bool:
+            engine.recover()  # beat's part: the worker settled the run interrupted
+            return engine.get_run(run.id).status is RunStatus.COMPLETED
+
+        wait_for(finished, "the run to finish on the same worker", timeout=60)
+        assert worker.alive()
+        steps = engine.steps(run.id)
+        assert [s.index for s in steps] == list(range(len(steps)))
+    finally:
+        group.stop(graceful=False)
+        engine.close()

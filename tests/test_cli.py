@@ -344,7 +344,7 @@ def test_watch_prints_a_runs_history_and_stops_when_it_settles(cli: Cli) -> None
     assert out.count(" step ") == 8
     lines = out.strip().splitlines()
     assert lines[-2].split(maxsplit=1)[1].startswith(f"run {run_id} completed")
-    assert lines[-1].startswith(f"watching run {run_id}")
+    assert lines[-1] == f"watching run {run_id} every 0.05s until it settles"  # no Redis
 
     code, out, _ = cli("--json", "watch", "--run", run_id, "--until-final")
     events = [json.loads(line) for line in out.splitlines()]
@@ -434,8 +434,11 @@ def test_usage_errors_are_one_line_and_exit_2(cli: Cli) -> None:
     assert "required" in cli.fails(2, "show")
     for limit in ("0", "-1", "99999999999999999999"):
         assert "--limit: must be from 1 to" in cli.fails(2, "runs", "--limit", limit)
-    for interval in ("nan", "inf", "0"):
-        assert "--interval" in cli.fails(2, "watch", "--interval", interval)
+    # Not "invalid _limit value": no name of the code's own.
+    assert "--limit: must be a whole number, not 'abc'" in cli.fails(2, "runs", "--limit", "abc")
+    for interval in ("nan", "inf", "0", "soon"):
+        said = cli.fails(2, "watch", "--interval", interval)
+        assert f"--interval: must be a positive number of seconds, not {interval}" in said
 
 
 def test_text_that_is_not_utf8_is_refused_and_stores_nothing(cli: Cli) -> None:

@@ -21,14 +21,20 @@ class Parser(argparse.ArgumentParser):
 
 
 def _positive(value: str) -> float:
-    number = float(value)
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan  # refused below, in the same words
     if not 0 < number < math.inf:  # NaN fails this too
         raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {value}")
     return number
 
 
 def _limit(value: str) -> int:
-    number = int(value)
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, not {value!r}") from None
     if not 1 <= number <= MAX_LIMIT:
         raise argparse.ArgumentTypeError(f"must be from 1 to {MAX_LIMIT}, not {value}")
     return number

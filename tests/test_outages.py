@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 import sqlalchemy.exc
 from celery import Celery
@@ -32,6 +33,7 @@ from agentruns import (
     RedisLeases,
     RunStatus,
     SqlStore,
+    ToolContext,
     tool,
 )
 from agentruns.models import ScriptedModel, text, tool_use
@@ -154,6 +156,50 @@ def test_postgres_going_away_aborts_the_execution_and_recover_finishes_the_run(
     finally:
         engine.close()
         direct.close()
+
+
+def test_an_effects_result_is_recorded_across_a_dropped_connection_and_not_repeated(
+    db_url: str, redis_prefix: str, errors: Errors
+) -> None:
+    # The connections died while the tool ran (a restart, a killed backend): the
+    # first write after it, the result's record, failed, and recovery found an
+    # intent without a result: the tool was called a second time.
+    paid: list[str] = []
+
+    @tool(effect=True)
+    def pay(amount: int, ctx: ToolContext) -> str:
+        """Pay."""
+        paid.append(ctx.idempotency_key)
+        with psycopg.connect(db_url.replace("+psycopg", ""), autocommit=True) as killer:
+            killer.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
+                " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            )
+        return f"paid {amount}"
+
+    model = ScriptedModel([tool_use("pay", {"amount": 5}), text("Paid.")])
+    engine = Engine(
+        SqlStore(db_url),
+        leases=RedisLeases(prefix=redis_prefix),
+        scheduler=LocalScheduler(),
+        agents=[Agent("a", model, tools=[pay])],
+        secret="s",
+        lease_ttl=1.0,
+        on_error=errors.append,
+    )
+    try:
+        run = engine.dispatch("a", trigger({}))
+        assert engine.idle(20)
+
+        def finished() -> bool:
+            engine.recover()  # what followed the record may have met a dead connection
+            assert engine.idle(20)
+            return engine.get_run(run.id).status is RunStatus.COMPLETED
+
+        wait_for(finished, "the run to finish", timeout=30)
+        assert len(paid) == 1, paid
+    finally:
+        engine.close()
 
 
 def test_redis_going_away_aborts_the_execution_and_recover_finishes_the_run(

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
@@ -64,6 +65,8 @@ _status_of_one = sa.func.coalesce(R.c.status, "")
 
 
 _NOT_FINAL = [status.value for status in RunStatus if not status.is_final]
+# Between the tries of an effect's result record (about 4 s in all).
+_FINISH_EFFECT_PAUSES_S = (0.0, 0.25, 0.5, 1.0, 2.0)
 
 
 class SqlStore:
@@ -430,13 +433,27 @@ class SqlStore:
     def finish_effect(
         self, run_id: str, epoch: int, tool_call_id: str, result: Any, is_error: bool
     ) -> None:
-        with self._atomic.begin() as conn:
-            self._fence(conn, run_id, epoch)
-            conn.execute(
-                E.update()
-                .where(E.c.run_id == run_id, E.c.tool_call_id == tool_call_id)
-                .values(status="done", result=result, is_error=is_error, finished_at=utcnow())
-            )
+        """Record an effect tool's result. The one write whose loss repeats a side
+        effect (recovery finds an intent without a result): a connection that died
+        while the tool ran (a restart, a killed backend) is tried again on a new one,
+        for a few seconds. The write is fenced and sets what it sets: safe to repeat."""
+        for pause in (*_FINISH_EFFECT_PAUSES_S, None):
+            try:
+                with self._atomic.begin() as conn:
+                    self._fence(conn, run_id, epoch)
+                    conn.execute(
+                        E.update()
+                        .where(E.c.run_id == run_id, E.c.tool_call_id == tool_call_id)
+                        .values(
+                            status="done", result=result, is_error=is_error, finished_at=utcnow()
+                        )
+                    )
+                return
+            except (OperationalError, sa.exc.InterfaceError) as exc:
+                if pause is None:
+                    raise
+                log.warning("could not record an effect's result (%s); trying again", exc)
+                time.sleep(pause)
 
     # -- sweeps ----------------------------------------------------------------
 

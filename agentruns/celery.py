@@ -91,9 +91,11 @@ def defaults() -> dict[str, Any]:
         "task_reject_on_worker_lost": True,
         # One message per free pool slot: a worker never sits on messages others could run.
         "worker_prefetch_multiplier": 1,
-        # When the broker connection drops, unacked messages go back to the queue;
-        # cancel the tasks they started rather than let them finish beside their copies.
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # When the broker connection drops, the runs in flight go on: their leases and
+        # the database are elsewhere, and a copy of their message is only a nudge the
+        # claim refuses. (Cancelling them killed a prefork pool's processes, as a crash
+        # would, and logged a traceback per task in a threads pool, which cannot.)
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
         # Results live in the database (runs and steps), not in a result backend.
         "task_ignore_result": True,
         # Several deployments (or test sessions) can share one Redis.

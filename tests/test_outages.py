@@ -20,6 +20,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import sqlalchemy
 import sqlalchemy.exc
 from celery import Celery
 
@@ -38,7 +39,7 @@ from agentruns import (
 )
 from agentruns.models import ScriptedModel, text, tool_use
 from bench.cluster import Cluster
-from tests.conftest import Errors, free_port, trigger, wait_for
+from tests.conftest import REDIS_URL, Errors, free_port, trigger, wait_for
 from tests.support import celery_agents
 from tests.support.proxy import Proxy
 
@@ -332,6 +333,56 @@ def test_a_busy_worker_outlives_its_broker_going_away_and_finishes_the_run_after
         assert worker.alive()
         steps = engine.steps(run.id)
         assert [s.index for s in steps] == list(range(len(steps)))
+    finally:
+        group.stop(graceful=False)
+        engine.close()
+
+
+def test_runs_go_on_through_a_lost_broker_connection_when_the_leases_stay(
+    db_url: str, private_redis: PrivateRedis, tmp_path: Path
+) -> None:
+    # The broker is a Redis of its own and goes away; the leases' Redis and Postgres
+    # stay. Celery cancelled the tasks in flight (in a prefork pool, it killed their
+    # processes), as if the worker had crashed: the runs waited for recover.
+    queue = f"agentruns-broker-{uuid.uuid4().hex[:8]}"
+    env = {
+        **os.environ,
+        "AGENTRUNS_DATABASE_URL": db_url,
+        "AGENTRUNS_REDIS_URL": REDIS_URL,
+        "AGENTRUNS_BROKER_URL": private_redis.url,
+        "AGENTRUNS_QUEUE": queue,
+        "AGENTRUNS_AGENTS": "tests.support.celery_agents",
+        "AGENTRUNS_SECRET": "s",
+        "AGENTRUNS_TEST_LOG": str(tmp_path / "tools.log"),
+        "AGENTRUNS_TEST_LATENCY": "0.8",
+        "PYTHONPATH": str(ROOT),
+    }
+    group = Cluster(env, queue, tmp_path)
+    producer = Celery("producer", broker=private_redis.url)
+    producer.conf.update(task_default_queue=queue, broker_connection_retry=False)
+    engine = Engine(
+        SqlStore(db_url),
+        leases=RedisLeases(REDIS_URL),
+        scheduler=CeleryScheduler(producer),
+        agents=[celery_agents.charger],
+        secret="s",
+    )
+    try:
+        group.workers("w", pool="prefork", concurrency=2)
+        run = engine.dispatch("charger", trigger({}))
+        wait_for(lambda: len(engine.steps(run.id)) >= 2, "the run under way")
+        private_redis.kill()
+        time.sleep(2)
+        private_redis.start()
+        # No recover: the execution that was under way finishes the run.
+        wait_for(
+            lambda: engine.get_run(run.id).status is RunStatus.COMPLETED, "the run", timeout=30
+        )
+        with engine.store.engine.connect() as conn:
+            epoch = conn.execute(
+                sqlalchemy.text("SELECT epoch FROM agentruns_runs WHERE id = :id"), {"id": run.id}
+            ).scalar_one()
+        assert epoch == 1  # claimed once: never interrupted
     finally:
         group.stop(graceful=False)
         engine.close()

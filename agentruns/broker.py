@@ -39,11 +39,14 @@ class Channel(kombu_redis.Channel):
 
     def _create_client(self, asynchronous: bool = False) -> Any:
         if self._pool is None and getattr(self.connection, "client", None) is None:
-            # The connection is closed: a new pool cannot be made for it. kombu asks for
-            # one as it closes a channel after the connection was lost, to give unacked
-            # messages back (acks late: every busy worker), and its AttributeError ended
-            # the worker. As a connection error, the closing goes on and the worker
-            # reconnects; the messages stay unacked in Redis, which redelivers them.
+            # The connection is closed, and kombu cannot make a pool for it (its
+            # AttributeError ended the worker): it asks for a client as it closes a
+            # channel after the connection was lost, to give unacked messages back
+            # (acks late: every busy worker), and to ack a task that finishes later.
+            # The channel's client still reaches the same Redis once it is back; with
+            # none, a connection error lets the closing go on and the worker reconnect.
+            if self._shared is not None and not asynchronous:
+                return self._shared
             raise redis.ConnectionError("the broker connection is closed")
         if asynchronous:
             return super()._create_client(asynchronous=True)  # type: ignore[no-untyped-call]

@@ -368,12 +368,13 @@ def test_runs_go_on_through_a_lost_broker_connection_when_the_leases_stay(
         secret="s",
     )
     try:
-        group.workers("w", pool="prefork", concurrency=2)
+        (worker,) = group.workers("w", pool="prefork", concurrency=2)
         run = engine.dispatch("charger", trigger({}))
         wait_for(lambda: len(engine.steps(run.id)) >= 2, "the run under way")
         private_redis.kill()
-        time.sleep(2)
+        wait_for(lambda: "Connection to broker lost" in worker.output(), "the worker to notice")
         private_redis.start()
+        assert engine.get_run(run.id).status is RunStatus.RUNNING  # still under way
         # No recover: the execution that was under way finishes the run.
         wait_for(
             lambda: engine.get_run(run.id).status is RunStatus.COMPLETED, "the run", timeout=30
@@ -383,6 +384,9 @@ def test_runs_go_on_through_a_lost_broker_connection_when_the_leases_stay(
                 sqlalchemy.text("SELECT epoch FROM agentruns_runs WHERE id = :id"), {"id": run.id}
             ).scalar_one()
         assert epoch == 1  # claimed once: never interrupted
+        # Its task's message was acked on the connection that came back ("Couldn't
+        # ack", CRITICAL, and a redelivery an hour later, when it was not).
+        assert "CRITICAL" not in worker.output(), worker.output()[-3000:]
     finally:
         group.stop(graceful=False)
         engine.close()

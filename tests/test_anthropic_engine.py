@@ -75,8 +75,15 @@ def run_to_end(engine: Engine, payload: Any = None) -> Run:
 
 
 def without_cache_control(value: Any) -> Any:
+    """What was sent as the transcript stores it: no cache marks, and a user message's
+    text as the string it is stored as (a mark needs it as a block)."""
     if isinstance(value, dict):
-        return {k: without_cache_control(v) for k, v in value.items() if k != "cache_control"}
+        stripped = {k: without_cache_control(v) for k, v in value.items() if k != "cache_control"}
+        content = stripped.get("content")
+        single = isinstance(content, list) and len(content) == 1 and content[0].get("type")
+        if stripped.get("role") == "user" and single == "text":
+            stripped["content"] = content[0]["text"]
+        return stripped
     if isinstance(value, list):
         return [without_cache_control(item) for item in value]
     return value
@@ -387,7 +394,7 @@ def test_cancel_from_another_engine_during_a_slow_stream_settles_within_a_second
 # --- prompt caching ---------------------------------------------------------------------
 
 
-def test_second_request_marks_system_and_newest_message_for_caching_but_storage_stays_clean(
+def test_second_request_marks_system_and_two_messages_for_caching_but_storage_stays_clean(
     make_engine: EngineFactory, fake: FakeAnthropic
 ) -> None:
     fake.push(
@@ -406,7 +413,8 @@ def test_second_request_marks_system_and_newest_message_for_caching_but_storage_
     assert messages[-1]["role"] == "user"
     assert messages[-1]["content"][-1]["type"] == "tool_result"
     assert messages[-1]["content"][-1]["cache_control"] == EPHEMERAL
-    assert cache_marks(messages) == 1  # only the newest message is marked
+    # The newest message, and the previous request's newest (where its cache entry is).
+    assert cache_marks(messages) == 2 and cache_marks(messages[0]) == 1
     assert cache_marks(first.messages) == 1
 
     checkpoint = engine.checkpoint(run.id)

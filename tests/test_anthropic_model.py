@@ -96,7 +96,7 @@ def reverse_keys(value: Any) -> Any:
 # --- the request ------------------------------------------------------------
 
 
-def test_request_carries_cached_system_tools_and_marks_only_the_newest_message(
+def test_request_carries_cached_system_tools_and_marks_the_newest_two_cache_points(
     fake: FakeAnthropic,
 ) -> None:
     fake.push(reply(text("Done.")))
@@ -122,7 +122,12 @@ def test_request_carries_cached_system_tools_and_marks_only_the_newest_message(
             "input_schema": SEARCH.input_schema,
         }
     ]
-    assert body["messages"][:2] == transcript[:2]
+    # The previous request's newest message is marked too: its cache entry is there.
+    assert body["messages"][0] == {
+        "role": "user",
+        "content": [{"type": "text", "text": transcript[0]["content"], "cache_control": EPHEMERAL}],
+    }
+    assert body["messages"][1] == transcript[1]
     assert body["messages"][2] == {
         "role": "user",
         "content": [
@@ -522,7 +527,7 @@ def test_pause_turn_continues_with_the_assistant_content_and_merges_the_turn(
     ]
     assert response.usage == Usage(input_tokens=250, output_tokens=30, cache_read_input_tokens=90)
     first, second = fake.requests
-    assert second.messages[0] == {"role": "user", "content": "hi"}
+    assert second.messages[0] == first.messages[0]  # where the first request's entry is
     assert second.messages[1] == {
         "role": "assistant",
         "content": [{"type": "text", "text": "Searching the web...", "cache_control": EPHEMERAL}],

@@ -69,9 +69,9 @@ class AnthropicModel:
     ends early on abort. Anything else raises ``ModelError`` at once. The SDK's
     own retries are off.
 
-    Caching: ``cache_control`` marks the system prompt and the last block of
-    the newest message; messages are sent with sorted keys so a transcript
-    reloaded from any store yields the same prefix.
+    Caching: ``cache_control`` marks the system prompt, the last block of the
+    newest message and that of the previous request's newest; messages are sent
+    with sorted keys so a transcript reloaded from any store yields the same prefix.
 
     Stop reasons: ``end_turn``, ``stop_sequence`` and ``tool_use`` are returned
     as they are; ``pause_turn`` is continued within the call (content merged,
@@ -457,11 +457,29 @@ def _canonical(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _mark_newest(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """``messages`` with ``cache_control`` on the newest message's last cacheable block."""
+    """``messages`` with ``cache_control`` on the newest message's last cacheable block,
+    and on the previous request's newest (the message before the last reply), where
+    that request's cache entry is. The API looks for an entry only about 20 blocks
+    back from a mark: a step of many tool calls and results would miss it every time."""
+    marked = list(messages)
+    for index in _cache_points(messages):
+        marked[index] = _marked(messages[index])
+    return marked
+
+
+def _cache_points(messages: list[dict[str, Any]]) -> list[int]:
     if not messages:
-        return messages
-    newest = dict(messages[-1])
-    content = newest.get("content")
+        return []
+    points = [len(messages) - 1]
+    replies = [i for i, m in enumerate(messages) if m.get("role") == "assistant"]
+    if replies and replies[-1] > 0 and replies[-1] - 1 != points[0]:
+        points.append(replies[-1] - 1)
+    return points
+
+
+def _marked(message: dict[str, Any]) -> dict[str, Any]:
+    """``message`` with ``cache_control`` on its last cacheable block (if any)."""
+    content = message.get("content")
     blocks: list[dict[str, Any]] = (
         [{"type": "text", "text": content}]
         if isinstance(content, str)
@@ -471,11 +489,8 @@ def _mark_newest(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
         empty_text = block.get("type") == "text" and not block.get("text")
         if block.get("type") not in _UNCACHEABLE and not empty_text:
             block["cache_control"] = dict(EPHEMERAL)
-            break
-    else:
-        return messages
-    newest["content"] = blocks
-    return [*messages[:-1], newest]
+            return {**message, "content": blocks}
+    return message
 
 
 def _content(message: Message) -> list[dict[str, Any]]:

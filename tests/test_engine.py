@@ -749,12 +749,11 @@ def test_a_threads_second_run_starts_from_the_first_runs_messages(
     assert json.loads(sent[2]["content"])["payload"] == {"q": 2}
 
 
-def test_a_threads_runs_go_in_the_order_they_were_sent_whatever_the_clocks(
+def _thread_on_skewed_clocks(
     make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Ordered by the senders' clocks, a run sent later by a host whose clock was
-    # behind went first. A run's created_at is now Postgres' clock. (SQLite's
-    # processes share one host's clock.)
+) -> tuple[Engine, ScriptedModel, Callable[[float], None]]:
+    """An engine whose runs answer with their transcript's length, and a way to set
+    its clock off by some seconds, as a host's whose clock is wrong."""
     from agentruns.store import sql
 
     model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"))
@@ -764,6 +763,16 @@ def test_a_threads_runs_go_in_the_order_they_were_sent_whatever_the_clocks(
     def clock_off_by(seconds: float) -> None:
         monkeypatch.setattr(sql, "utcnow", lambda: real() + timedelta(seconds=seconds))
 
+    return engine, model, clock_off_by
+
+
+def test_a_threads_runs_go_in_the_order_they_were_sent_whatever_the_clocks(
+    make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Ordered by the senders' clocks, a run sent later by a host whose clock was
+    # behind went first. A run's created_at is now Postgres' clock. (SQLite's
+    # processes share one host's clock.)
+    engine, _, clock_off_by = _thread_on_skewed_clocks(make_engine, monkeypatch)
     first = engine.dispatch("a", trigger({"q": 1}), thread="chat")
     clock_off_by(-30)  # the second is sent from a host whose clock is behind
     second = engine.dispatch("a", trigger({"q": 2}), thread="chat")
@@ -778,16 +787,12 @@ def test_a_thread_continues_the_run_that_completed_last_whatever_its_workers_clo
 ) -> None:
     # Picked by finished_at from the writer's clock, the run a worker 30 s behind
     # completed looked older than the one before it: the next run skipped it.
-    from agentruns.store import sql
-
-    model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"))
-    engine = make_engine([Agent("a", model)], scheduler=ManualScheduler())
-    real = sql.utcnow
+    engine, model, clock_off_by = _thread_on_skewed_clocks(make_engine, monkeypatch)
     runs = [engine.dispatch("a", trigger({"q": q}), thread="chat") for q in range(3)]
     assert engine.execute(runs[0].id).output == "answer 1"
-    monkeypatch.setattr(sql, "utcnow", lambda: real() - timedelta(seconds=30))
+    clock_off_by(-30)
     assert engine.execute(runs[1].id).output == "answer 3"  # on a worker behind
-    monkeypatch.undo()
+    clock_off_by(0)
     assert engine.execute(runs[2].id).output == "answer 5"  # after both, not only the first
     seen = [json.loads(m["content"])["payload"] for m in model.calls[2] if m["role"] == "user"]
     assert seen == [{"q": 0}, {"q": 1}, {"q": 2}]

@@ -7,6 +7,7 @@ a TCP proxy this test cuts, so the shared database other tests use stays up.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -124,19 +125,28 @@ def assert_finished_cleanly(engine: Engine, run_id: str) -> None:
     assert kinds == "LT" * (len(SCRIPT) - 1) + "L"
 
 
+def _engine(
+    url: str, leases: RedisLeases, agent: Agent, errors: Errors, lease_ttl: float = 1.0
+) -> Engine:
+    """An engine running its runs here, with a short lease; its errors go to ``errors``."""
+    return Engine(
+        SqlStore(url),
+        leases=leases,
+        scheduler=LocalScheduler(),
+        agents=[agent],
+        secret="s",
+        lease_ttl=lease_ttl,
+        on_error=errors.append,
+    )
+
+
 def test_postgres_going_away_aborts_the_execution_and_recover_finishes_the_run(
     db_url: str, redis_prefix: str, proxy: Proxy, errors: Errors
 ) -> None:
     via_proxy = db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
     model = ScriptedModel(SCRIPT, latency_s=0.3)
-    engine = Engine(
-        SqlStore(via_proxy),
-        leases=RedisLeases(prefix=redis_prefix),
-        scheduler=LocalScheduler(),
-        agents=[Agent("a", model, tools=[note])],
-        secret="s",
-        lease_ttl=1.0,
-        on_error=errors.append,
+    engine = _engine(
+        via_proxy, RedisLeases(prefix=redis_prefix), Agent("a", model, tools=[note]), errors
     )
     direct = SqlStore(db_url)
     try:
@@ -179,14 +189,8 @@ def test_an_effects_result_is_recorded_across_a_dropped_connection_and_not_repea
         return f"paid {amount}"
 
     model = ScriptedModel([tool_use("pay", {"amount": 5}), text("Paid.")])
-    engine = Engine(
-        SqlStore(db_url),
-        leases=RedisLeases(prefix=redis_prefix),
-        scheduler=LocalScheduler(),
-        agents=[Agent("a", model, tools=[pay])],
-        secret="s",
-        lease_ttl=1.0,
-        on_error=errors.append,
+    engine = _engine(
+        db_url, RedisLeases(prefix=redis_prefix), Agent("a", model, tools=[pay]), errors
     )
     try:
         run = engine.dispatch("a", trigger({}))
@@ -207,15 +211,8 @@ def test_redis_going_away_aborts_the_execution_and_recover_finishes_the_run(
     db_url: str, private_redis: PrivateRedis, errors: Errors
 ) -> None:
     model = ScriptedModel(SCRIPT, latency_s=0.3)
-    engine = Engine(
-        SqlStore(db_url),
-        leases=RedisLeases(private_redis.url, prefix="outage"),
-        scheduler=LocalScheduler(),
-        agents=[Agent("a", model, tools=[note])],
-        secret="s",
-        lease_ttl=1.0,
-        on_error=errors.append,
-    )
+    leases = RedisLeases(private_redis.url, prefix="outage")
+    engine = _engine(db_url, leases, Agent("a", model, tools=[note]), errors)
     try:
         run = engine.dispatch("a", trigger({}))
         wait_for(lambda: len(engine.steps(run.id)) >= 2)
@@ -240,15 +237,8 @@ def test_a_stalled_redis_delays_neither_a_timeout_nor_the_stop_of_an_unrenewed_l
     # Redis stops answering (SIGSTOP): a renewal then waits out its socket timeout.
     def run_with(budget: Budget, lease_ttl: float) -> tuple[Engine, str]:
         model = ScriptedModel([text("too late")], latency_s=8)
-        engine = Engine(
-            SqlStore(db_url),
-            leases=RedisLeases(private_redis.url, prefix=f"stall-{lease_ttl}"),
-            scheduler=LocalScheduler(),
-            agents=[Agent("a", model, budget=budget)],
-            secret="s",
-            lease_ttl=lease_ttl,
-            on_error=errors.append,
-        )
+        leases = RedisLeases(private_redis.url, prefix=f"stall-{lease_ttl}")
+        engine = _engine(db_url, leases, Agent("a", model, budget=budget), errors, lease_ttl)
         run = engine.dispatch("a", trigger({}))
         wait_for(lambda: engine.get_run(run.id).status is RunStatus.RUNNING)
         return engine, run.id
@@ -283,38 +273,54 @@ def _settled(engine: Engine, run_id: str) -> Any:
     return run if run.status is not RunStatus.RUNNING else None
 
 
-def test_a_busy_worker_outlives_its_broker_going_away_and_finishes_the_run_after(
-    db_url: str, private_redis: PrivateRedis, tmp_path: Path
-) -> None:
-    # With a run in flight (acks late: its message unacked), kombu's channel close
-    # after the lost connection raised AttributeError, and the worker exited for
-    # good: nothing was left to finish the run once Redis came back.
+@contextlib.contextmanager
+def _celery_on(
+    db_url: str, broker_url: str, leases_url: str, tmp_path: Path, latency: float
+) -> Iterator[tuple[Cluster, Engine]]:
+    """Workers of a queue of their own on ``broker_url``, their leases on ``leases_url``,
+    and an engine here whose runs go to them; all stopped at the end."""
     queue = f"agentruns-outage-{uuid.uuid4().hex[:8]}"
     env = {
         **os.environ,
         "AGENTRUNS_DATABASE_URL": db_url,
-        "AGENTRUNS_REDIS_URL": private_redis.url,
-        "AGENTRUNS_BROKER_URL": private_redis.url,
+        "AGENTRUNS_REDIS_URL": leases_url,
+        "AGENTRUNS_BROKER_URL": broker_url,
         "AGENTRUNS_QUEUE": queue,
         "AGENTRUNS_AGENTS": "tests.support.celery_agents",
         "AGENTRUNS_SECRET": "s",
         "AGENTRUNS_LEASE_TTL": "1",
         "AGENTRUNS_TEST_LOG": str(tmp_path / "tools.log"),
-        "AGENTRUNS_TEST_LATENCY": "0.5",
+        "AGENTRUNS_TEST_LATENCY": str(latency),
         "PYTHONPATH": str(ROOT),
     }
     group = Cluster(env, queue, tmp_path)
-    producer = Celery("producer", broker=private_redis.url)
+    producer = Celery("producer", broker=broker_url)
     producer.conf.update(task_default_queue=queue, broker_connection_retry=False)
     engine = Engine(
         SqlStore(db_url),
-        leases=RedisLeases(private_redis.url),
+        leases=RedisLeases(leases_url),
         scheduler=CeleryScheduler(producer),
         agents=[celery_agents.charger],
         secret="s",
         lease_ttl=1.0,
     )
     try:
+        yield group, engine
+    finally:
+        group.stop(graceful=False)
+        engine.close()
+
+
+def test_a_busy_worker_outlives_its_broker_going_away_and_finishes_the_run_after(
+    db_url: str, private_redis: PrivateRedis, tmp_path: Path
+) -> None:
+    # With a run in flight (acks late: its message unacked), kombu's channel close
+    # after the lost connection raised AttributeError, and the worker exited for
+    # good: nothing was left to finish the run once Redis came back.
+    with _celery_on(db_url, private_redis.url, private_redis.url, tmp_path, 0.5) as (
+        group,
+        engine,
+    ):
         (worker,) = group.workers("w", concurrency=4)
         run = engine.dispatch("charger", trigger({}))
         wait_for(lambda: len(engine.steps(run.id)) >= 2, "the run under way")
@@ -333,9 +339,6 @@ def test_a_busy_worker_outlives_its_broker_going_away_and_finishes_the_run_after
         assert worker.alive()
         steps = engine.steps(run.id)
         assert [s.index for s in steps] == list(range(len(steps)))
-    finally:
-        group.stop(graceful=False)
-        engine.close()
 
 
 def test_runs_go_on_through_a_lost_broker_connection_when_the_leases_stay(
@@ -344,30 +347,7 @@ def test_runs_go_on_through_a_lost_broker_connection_when_the_leases_stay(
     # The broker is a Redis of its own and goes away; the leases' Redis and Postgres
     # stay. Celery cancelled the tasks in flight (in a prefork pool, it killed their
     # processes), as if the worker had crashed: the runs waited for recover.
-    queue = f"agentruns-broker-{uuid.uuid4().hex[:8]}"
-    env = {
-        **os.environ,
-        "AGENTRUNS_DATABASE_URL": db_url,
-        "AGENTRUNS_REDIS_URL": REDIS_URL,
-        "AGENTRUNS_BROKER_URL": private_redis.url,
-        "AGENTRUNS_QUEUE": queue,
-        "AGENTRUNS_AGENTS": "tests.support.celery_agents",
-        "AGENTRUNS_SECRET": "s",
-        "AGENTRUNS_TEST_LOG": str(tmp_path / "tools.log"),
-        "AGENTRUNS_TEST_LATENCY": "0.8",
-        "PYTHONPATH": str(ROOT),
-    }
-    group = Cluster(env, queue, tmp_path)
-    producer = Celery("producer", broker=private_redis.url)
-    producer.conf.update(task_default_queue=queue, broker_connection_retry=False)
-    engine = Engine(
-        SqlStore(db_url),
-        leases=RedisLeases(REDIS_URL),
-        scheduler=CeleryScheduler(producer),
-        agents=[celery_agents.charger],
-        secret="s",
-    )
-    try:
+    with _celery_on(db_url, private_redis.url, REDIS_URL, tmp_path, 0.8) as (group, engine):
         (worker,) = group.workers("w", pool="prefork", concurrency=2)
         run = engine.dispatch("charger", trigger({}))
         wait_for(lambda: len(engine.steps(run.id)) >= 2, "the run under way")
@@ -387,6 +367,3 @@ def test_runs_go_on_through_a_lost_broker_connection_when_the_leases_stay(
         # Its task's message was acked on the connection that came back ("Couldn't
         # ack", CRITICAL, and a redelivery an hour later, when it was not).
         assert "CRITICAL" not in worker.output(), worker.output()[-3000:]
-    finally:
-        group.stop(graceful=False)
-        engine.close()

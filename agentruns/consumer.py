@@ -51,6 +51,20 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         if self.event_dispatcher is not None:
             self.event_dispatcher.flush()
 
+    def cancel_active_requests(self) -> None:
+        # Cold shutdown (SIGQUIT, or SIGTERM with REMAP_SIGTERM=SIGQUIT) cancels the
+        # tasks in flight. Only a prefork pool can: it kills their processes, and for
+        # their runs that is a crash (recover resumes them); they are told to drain
+        # first. Any other pool's cancel raised inside the consumer (threads: the
+        # worker ended), inside the run itself (solo: taken for the model's or a
+        # tool's error) or killed a greenlet mid-call (gevent): their runs drain, as
+        # on a warm shutdown, and their tasks return.
+        from agentruns.worker import begin_shutdown, pool_kind
+
+        begin_shutdown()
+        if pool_kind(self.pool) == "prefork":
+            super().cancel_active_requests()
+
     def close(self) -> None:
         # Celery's worker calls this first when it stops, warm or cold, for any cause
         # (its own Consumer has no such method). Signals already drained the runs;

@@ -2,9 +2,10 @@
 
 The engine is built from ``AGENTRUNS_*`` settings the first time a task needs
 it, once per process: a prefork child builds its own after the fork, so no
-database or Redis connection crosses a fork. Warm shutdown, cold shutdown and
-a remote ``shutdown`` drain it: runs in flight settle ``interrupted`` and
-``recover`` gives them to another worker.
+database or Redis connection crosses a fork. Warm shutdown, a remote
+``shutdown`` and (but in a prefork pool, whose processes Celery kills) cold
+shutdown drain it: runs in flight settle ``interrupted`` and ``recover`` gives
+them to another worker.
 """
 
 from __future__ import annotations
@@ -85,7 +86,7 @@ def _build_engine() -> Engine:
     return engine
 
 
-def _pool_kind(pool: Any) -> str:
+def pool_kind(pool: Any) -> str:
     """``prefork``, ``thread``, ``solo``, ``gevent``…: the module that implements the pool."""
     return str(type(pool).__module__).rpartition(".")[2]
 
@@ -109,7 +110,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
             "raise inside a tool at any point; Budget.timeout_s bounds a run instead",
             soft,
         )
-    if _pool is not None and _pool_kind(_pool) != "prefork":
+    if _pool is not None and pool_kind(_pool) != "prefork":
         # This process runs the tasks. Fail loudly at start (unmigrated database,
         # unknown agent module), not per task; tasks try again until it works.
         try:
@@ -192,10 +193,15 @@ def begin_shutdown() -> None:
 
 def _drain_pool() -> None:
     pool = _pool
-    kind = _pool_kind(pool) if pool is not None else "thread"
+    kind = pool_kind(pool) if pool is not None else "thread"
     if kind == "prefork":
-        # The runs are in the children; each drains on this signal.
-        for pid in pool.info.get("processes", []):
+        # The runs are in the children; each drains on this signal. (After a cold
+        # shutdown cancelled their tasks, the pool is stopped and they are gone.)
+        try:
+            children = pool.info.get("processes", [])
+        except AttributeError:
+            children = []
+        for pid in children:
             with contextlib.suppress(OSError):  # already gone
                 os.kill(pid, _DRAIN_SIGNAL)
         return

@@ -278,6 +278,34 @@ def test_sigterm_drains_the_worker_and_recover_lets_another_finish(
     assert_replayed_once(engine, done, CHARGE_SCRIPT)
 
 
+@pytest.mark.parametrize("pool", ["solo", "threads"])
+def test_a_cold_shutdown_drains_a_pool_that_cannot_cancel_tasks(
+    cluster: Cluster, engine: Engine, leases: RedisLeases, pool: str
+) -> None:
+    # SIGQUIT (or SIGTERM with REMAP_SIGTERM=SIGQUIT): Celery cancels the tasks in
+    # flight, which these pools cannot. In a solo pool its NotImplementedError was
+    # raised inside the run itself: the model call failed the run (model_error), a
+    # tool call became the tool's error. In a threads pool it ended the worker.
+    (worker,) = cluster.workers("w1", pool=pool, concurrency=1)
+    run = engine.dispatch("charger", trigger({"card": "4242"}))
+    wait_for(lambda: len(engine.steps(run.id)) >= 3, "the charge to be saved")
+    assert cluster.holder(run.id, leases) is worker
+
+    worker.popen.send_signal(signal.SIGQUIT)
+    worker.popen.wait(timeout=15)
+    interrupted = engine.get_run(run.id)
+    assert interrupted.status is RunStatus.INTERRUPTED, interrupted
+    assert interrupted.error is None and interrupted.claim is None
+    assert "does not implement kill_job" not in worker.output()
+    assert not [s for s in engine.steps(run.id) if s.error is not None]
+
+    assert engine.recover() == [run.id]
+    cluster.workers("w2")
+    done = wait_for(lambda: completed(engine, run.id), "another worker to finish the run")
+    assert len(cluster.tool_calls("charge", run.id)) == 1
+    assert_replayed_once(engine, done, CHARGE_SCRIPT)
+
+
 def test_a_remote_shutdown_drains_the_worker_as_sigterm_does(
     cluster: Cluster, engine: Engine, leases: RedisLeases, celery_app: Any, queue: str
 ) -> None:
@@ -534,6 +562,28 @@ def test_prefork_children_have_their_own_engines_and_drain_on_sigterm(
     interrupted = engine.get_run(run.id)
     assert interrupted.status is RunStatus.INTERRUPTED
     assert interrupted.claim is None
+
+
+def test_a_cold_shutdown_of_a_prefork_worker_is_a_crash_that_recover_resumes(
+    cluster: Cluster, engine: Engine, leases: RedisLeases
+) -> None:
+    # Celery kills the children running tasks, then stops the pool: the drain that
+    # followed read the stopped pool and raised (AttributeError in the log).
+    (worker,) = cluster.workers("w1", pool="prefork", concurrency=2)
+    run = engine.dispatch("charger", trigger({"card": "4242"}))
+    wait_for(lambda: engine.steps(run.id), "the first step to be saved")
+    worker.popen.send_signal(signal.SIGQUIT)
+    worker.popen.wait(timeout=15)
+    assert "raised: AttributeError" not in worker.output(), worker.output()[-3000:]
+
+    cluster.workers("w2")
+
+    def resumed() -> Run | None:
+        engine.recover()  # once the killed child's lease has expired
+        return completed(engine, run.id)
+
+    done = wait_for(resumed, "recover to resume it")
+    assert_replayed_once(engine, done, CHARGE_SCRIPT)
 
 
 def test_a_workers_soft_time_limit_does_not_cut_into_a_run(

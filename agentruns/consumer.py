@@ -55,10 +55,10 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         # Cold shutdown (SIGQUIT, or SIGTERM with REMAP_SIGTERM=SIGQUIT) cancels the
         # tasks in flight. Only a prefork pool can: it kills their processes, and for
         # their runs that is a crash (recover resumes them); they are told to drain
-        # first. Any other pool's cancel raised inside the consumer (threads: the
-        # worker ended), inside the run itself (solo: taken for the model's or a
-        # tool's error) or killed a greenlet mid-call (gevent): their runs drain, as
-        # on a warm shutdown, and their tasks return.
+        # first. Another pool's cancel raised inside the consumer (threads: the
+        # worker ended) or inside the run itself (solo: taken for the model's or a
+        # tool's error): their runs drain instead, as on a warm shutdown, and their
+        # tasks return.
         from agentruns.worker import begin_shutdown, pool_kind
 
         begin_shutdown()

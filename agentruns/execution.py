@@ -18,11 +18,14 @@ stored messages stay append-only and the transcript stays valid.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import uuid
 from collections.abc import Callable
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
+
+from pydantic import ValidationError
 
 from agentruns import transcript
 from agentruns.agent import Agent, RunContext
@@ -46,6 +49,8 @@ from agentruns.store.base import Claimed, Commit, Committed, Guard, NewStep, Sto
 from agentruns.toolcalls import EffectOutcomeUnknown, Outcome, ToolCaller, Wait
 from agentruns.tools import StateHolder, Tool
 from agentruns.tools import state_tools as make_state_tools
+
+log = logging.getLogger("agentruns")
 
 
 class Host(Protocol):
@@ -197,10 +202,10 @@ class Execution:
             if not messages and self.run.thread is not None:
                 # Continue the thread's previous run: its transcript, read, not copied,
                 # and the state it ended with.
-                messages, inherited = self.store.start_thread(
-                    self.run.id, self.epoch, self.run.thread
-                )
-                state = inherited if state is None else state
+                messages, state = self.store.start_thread(self.run.id, self.epoch, self.run.thread)
+            if self.run.thread is not None:
+                # (A state stored before the run saved anything is the one it inherited.)
+                state = self._inherited(state)
             unsaved = [self.run.trigger.first_message()]
             messages = [*messages, *unsaved]
         else:
@@ -216,6 +221,26 @@ class Execution:
                 )
         transcript.validate(messages)
         return messages, unsaved, dict(stored.pending or {}), self._initial_state(state)
+
+    def _inherited(self, state: dict[str, Any] | None) -> dict[str, Any] | None:
+        """A thread's state as this agent's state model takes it (fields it added get
+        their defaults); None, for the model's default, if the model refuses it
+        (another agent's, or an older model's) or the agent keeps no state."""
+        model = self.agent.state
+        if state is None or model is None:
+            return None
+        try:
+            taken = model.model_validate(state, by_name=True, by_alias=False)
+        except (ValidationError, TypeError, ValueError) as exc:
+            log.warning(
+                "run %s: its thread's state does not fit agent %s's state model (%s);"
+                " it starts from the model's default",
+                self.run.id,
+                self.agent.name,
+                exc,
+            )
+            return None
+        return taken.model_dump(mode="json")
 
     def _initial_state(self, stored: dict[str, Any] | None) -> dict[str, Any]:
         if stored is not None or self.agent.state is None:
@@ -652,8 +677,10 @@ def _malformed(response: ModelResponse) -> str | None:
         # Stored, it would make the transcript one the provider refuses once anything
         # follows it (the next run of a thread, say).
         return f"the reply has no content (stop_reason={response.stop_reason})"
-    if not seen and not any(b["type"] == "text" and not _blank(b) for b in response.content):
-        # Thinking alone, say: the run would complete with no answer as its output.
-        kinds = ", ".join(sorted({b["type"] for b in response.content if not _blank(b)}))
-        return f"the reply holds no answer, only {kinds} (stop_reason={response.stop_reason})"
+    if all(_blank(b) or b["type"] in _THINKING for b in response.content):
+        # The run would complete with no answer as its output.
+        return f"the reply holds no answer, only thinking (stop_reason={response.stop_reason})"
     return None
+
+
+_THINKING = frozenset({"thinking", "redacted_thinking"})

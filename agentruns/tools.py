@@ -28,8 +28,9 @@ from pydantic_core import to_jsonable_python
 from agentruns.models.base import ToolSpec
 from agentruns.runs import Run
 
-# What the Messages API takes as a tool's name.
-_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+# What the Messages API takes as a tool's name (its docs have said 64 characters at
+# most, its errors 128: the looser, so no name it takes is refused here).
+_TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,128}")
 
 OnUnknown = Literal["retry", "approve", "fail"]
 NeedsApproval = bool | Callable[[dict[str, Any], "ToolContext"], bool]
@@ -75,7 +76,7 @@ class Tool:
         if not isinstance(self.name, str) or not _TOOL_NAME.fullmatch(self.name):
             # Else the first request that offers it fails, with the run, at the API.
             raise ValueError(
-                f"tool name {self.name!r} is not one the Messages API takes: 1 to 64"
+                f"tool name {self.name!r} is not one the Messages API takes: 1 to 128"
                 " ASCII letters, digits, '_' or '-'"
             )
         self.description = description or inspect.getdoc(fn) or self.name

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 import redis
 import sqlalchemy as sa
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from agentruns import (
     Agent,
@@ -616,6 +616,21 @@ def test_malformed_model_reply_fails_with_model_error_keeping_the_transcript(
         assert run.usage == Usage(input_tokens=20, output_tokens=10), reply
 
 
+def test_a_reply_of_a_server_tools_call_and_result_alone_completes(
+    make_engine: EngineFactory,
+) -> None:
+    # Not "no answer": the API ran a tool of its own (its blocks are the answer).
+    searched = [
+        {"type": "server_tool_use", "id": "srv_1", "name": "web_search", "input": {"query": "x"}},
+        {"type": "web_search_tool_result", "tool_use_id": "srv_1", "content": []},
+    ]
+    engine = make_engine([Agent("a", ScriptedModel([searched]))])
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.COMPLETED, run.error
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None and checkpoint.messages[-1]["content"] == searched
+
+
 def test_blank_text_beside_a_tool_call_is_left_out_of_the_transcript(
     make_engine: EngineFactory,
 ) -> None:
@@ -687,6 +702,47 @@ def test_a_threads_next_run_starts_with_the_state_its_previous_run_ended_with(
     assert json.loads(model.calls[-1][-1]["content"][0]["content"]) == {"seen": 7}
     checkpoint = engine.checkpoint(second.id)
     assert checkpoint is not None and checkpoint.state == {"seen": 7}
+
+
+class _Seen(BaseModel):
+    seen: int = 0
+
+
+class _Renamed(BaseModel):  # the same agent's state model, redeployed
+    model_config = ConfigDict(extra="forbid")
+    count: int = 0
+
+
+class _Added(BaseModel):
+    seen: int = 0
+    label: str = "none"
+
+
+@pytest.mark.parametrize(
+    ("model", "read"),
+    [(_Renamed, {"count": 0}), (_Added, {"seen": 7, "label": "none"})],
+    ids=["refused", "taken"],
+)
+def test_a_threads_state_is_taken_as_the_next_runs_state_model_takes_it(
+    make_engine: EngineFactory, model: type[BaseModel], read: dict[str, Any]
+) -> None:
+    # Taken as it was, a state another model refuses stayed: read_state showed fields
+    # the model does not have, and every update_state failed on them.
+    first = ScriptedModel([tool_use("update_state", {"seen": 7}), text("saved")])
+    before = make_engine([Agent("a", first, state=_Seen)], scheduler=ManualScheduler())
+    run = before.dispatch("a", trigger({"q": 1}), thread="chat")
+    assert before.execute(run.id).status is RunStatus.COMPLETED
+
+    change = {"count": 1} if model is _Renamed else {"label": "new"}
+    later = ScriptedModel(
+        [text("unused")] * 2
+        + [tool_use("read_state", {}), tool_use("update_state", change), text("done")]
+    )
+    after = make_engine([Agent("a", later, state=model)], scheduler=ManualScheduler())
+    run = after.dispatch("a", trigger({"q": 2}), thread="chat")
+    assert after.execute(run.id).status is RunStatus.COMPLETED
+    results = [json.loads(call[-1]["content"][0]["content"]) for call in later.calls[1:]]
+    assert results == [read, {**read, **change}]
 
 
 def test_an_agents_concurrency_key_callable_is_checked(make_engine: EngineFactory) -> None:

@@ -71,12 +71,12 @@ def test_a_tool_name_the_messages_api_refuses_is_refused_when_the_tool_is_made()
     for make in (
         lambda: tool(café),
         lambda: tool(name="search.issues")(ok),
-        lambda: tool(name="s" * 65)(ok),
+        lambda: tool(name="s" * 129)(ok),
     ):
         with pytest.raises(ValueError, match="not one the Messages API takes"):
             make()
     assert tool(name="search-issues_2")(ok).name == "search-issues_2"
-    assert tool(name="s" * 64)(ok).spec.name == "s" * 64
+    assert tool(name="s" * 128)(ok).spec.name == "s" * 128
 
 
 def test_the_context_is_recognised_also_as_an_optional_parameter() -> None:

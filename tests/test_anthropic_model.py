@@ -7,6 +7,7 @@ parsing, error classes, headers) is the real thing.
 
 from __future__ import annotations
 
+import json
 import socket
 import threading
 import time
@@ -291,6 +292,24 @@ def test_server_tools_are_sent_after_the_agents_and_their_blocks_are_kept_to_sen
     fake.push(reply(text("ok")))
     model.complete(request([*transcript, {"role": "user", "content": "more?"}]), threading.Event())
     assert fake.requests[1].messages[1]["content"][:2] == [call, response.content[1]]
+
+
+@pytest.mark.parametrize("tool_marks", [0, 1, 2])
+def test_a_request_carries_at_most_the_four_cache_marks_the_api_takes(
+    fake: FakeAnthropic, tool_marks: int
+) -> None:
+    # Server tools may carry marks of their own: with two, the system's and two
+    # messages' made five, which the API refuses.
+    tools = [
+        {"type": "web_search_20250305", "name": f"search_{i}", "cache_control": EPHEMERAL}
+        for i in range(tool_marks)
+    ]
+    fake.push(reply(text("ok")))
+    make_model(fake, tools=tools).complete(request(tool_loop_transcript()), threading.Event())
+    body = fake.requests[0].body
+    marks = json.dumps([body["system"], body["tools"], body["messages"]]).count("cache_control")
+    assert marks == min(4, 3 + tool_marks)
+    assert "cache_control" in json.dumps(body["messages"][-1])  # the newest, always
 
 
 def test_tools_given_to_the_model_must_be_a_list_of_definitions() -> None:

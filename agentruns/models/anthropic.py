@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 EPHEMERAL: dict[str, Any] = {"type": "ephemeral"}
 MAX_RETRY_AFTER_S = 60.0  # a longer retry-after is waited out only this long per try
 MAX_PAUSE_TURNS = 10
+MAX_CACHE_MARKS = 4  # cache_control blocks the API takes in one request
 _POLL_S = 0.02  # how often the caller looks at the abort signal while a stream runs
 _TRANSIENT_STATUS = frozenset({408, 409, 429})
 _TRANSIENT_STREAM_ERRORS = frozenset(
@@ -136,13 +137,18 @@ class AnthropicModel:
         client = self._get_client()
         messages = _canonical(request.messages)
         params = self._params(request)
+        # The API takes 4 cache marks in a request; the system prompt's and the tools'
+        # (a server tool may carry one) come first, then the newest message's.
+        taken = json.dumps([params.get("system"), params.get("tools")]).count('"cache_control"')
+        previous = taken + 2 <= MAX_CACHE_MARKS
         content: list[dict[str, Any]] = []
         raw: list[dict[str, Any]] = []
         usage = Usage()
         for _ in range(MAX_PAUSE_TURNS + 1):
             turn = [*messages, {"role": "assistant", "content": raw}] if raw else messages
             try:
-                message = self._call(client, {**params, "messages": _mark_newest(turn)}, signal)
+                marked = _mark_newest(turn, previous=previous)
+                message = self._call(client, {**params, "messages": marked}, signal)
             except ModelError as exc:
                 # The paused turns before it were answered, and counted by the provider.
                 exc.usage = usage + (exc.usage or Usage())
@@ -456,13 +462,13 @@ def _canonical(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return copied
 
 
-def _mark_newest(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _mark_newest(messages: list[dict[str, Any]], *, previous: bool = True) -> list[dict[str, Any]]:
     """``messages`` with ``cache_control`` on the newest message's last cacheable block,
-    and on the previous request's newest (the message before the last reply), where
-    that request's cache entry is. The API looks for an entry only about 20 blocks
-    back from a mark: a step of many tool calls and results would miss it every time."""
+    and (``previous``) on the previous request's newest (the message before the last
+    reply), where that request's cache entry is. The API looks for an entry only about
+    20 blocks back from a mark: a step of many tool calls and results would miss it."""
     marked = list(messages)
-    for index in _cache_points(messages):
+    for index in _cache_points(messages)[: 2 if previous else 1]:
         marked[index] = _marked(messages[index])
     return marked
 

@@ -65,8 +65,9 @@ _status_of_one = sa.func.coalesce(R.c.status, "")
 
 
 _NOT_FINAL = [status.value for status in RunStatus if not status.is_final]
-# Between the tries of an effect's result record (about 4 s in all).
+# Between the tries of an effect's result record, and how long they may go on.
 _FINISH_EFFECT_PAUSES_S = (0.0, 0.25, 0.5, 1.0, 2.0)
+_FINISH_EFFECT_TRIES_S = 4.0
 
 
 class SqlStore:
@@ -437,6 +438,7 @@ class SqlStore:
         effect (recovery finds an intent without a result): a connection that died
         while the tool ran (a restart, a killed backend) is tried again on a new one,
         for a few seconds. The write is fenced and sets what it sets: safe to repeat."""
+        deadline = time.monotonic() + _FINISH_EFFECT_TRIES_S
         for pause in (*_FINISH_EFFECT_PAUSES_S, None):
             try:
                 with self._atomic.begin() as conn:
@@ -450,7 +452,9 @@ class SqlStore:
                     )
                 return
             except (OperationalError, sa.exc.InterfaceError) as exc:
-                if pause is None:
+                # Not past the few seconds: a silent server (each try waiting out its
+                # timeout) would hold the execution, and its drain or cancel, long.
+                if pause is None or time.monotonic() + pause > deadline:
                     raise
                 log.warning("could not record an effect's result (%s); trying again", exc)
                 time.sleep(pause)

@@ -438,7 +438,7 @@ def test_usage_errors_are_one_line_and_exit_2(cli: Cli) -> None:
     assert "--limit: must be a whole number, not 'abc'" in cli.fails(2, "runs", "--limit", "abc")
     for interval in ("nan", "inf", "0", "soon"):
         said = cli.fails(2, "watch", "--interval", interval)
-        assert f"--interval: must be a positive number of seconds, not {interval}" in said
+        assert f"--interval: must be a positive number of seconds, not {interval!r}" in said
 
 
 def test_text_that_is_not_utf8_is_refused_and_stores_nothing(cli: Cli) -> None:

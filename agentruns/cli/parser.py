@@ -26,7 +26,7 @@ def _positive(value: str) -> float:
     except ValueError:
         number = math.nan  # refused below, in the same words
     if not 0 < number < math.inf:  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {value}")
+        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {value!r}")
     return number
 
 

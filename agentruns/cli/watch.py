@@ -158,7 +158,8 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
     if not session.as_json:
         target = f"run {run_id}" if run_id else "all runs"
         stop = "it settles" if until_final else "Ctrl-C"
-        how = "as events arrive" if session.settings.redis_url else f"every {interval:g}s"
+        every = f"every {interval:g}s"
+        how = f"as events arrive and {every}" if session.settings.redis_url else every
         session.emit(f"watching {target} {how} until {stop}")
     try:
         for events in _wakeups(session, interval):

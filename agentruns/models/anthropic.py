@@ -147,7 +147,7 @@ class AnthropicModel:
         for _ in range(MAX_PAUSE_TURNS + 1):
             turn = [*messages, {"role": "assistant", "content": raw}] if raw else messages
             try:
-                marked = _mark_newest(turn, previous=previous)
+                marked = _with_cache_marks(turn, previous=previous)
                 message = self._call(client, {**params, "messages": marked}, signal)
             except ModelError as exc:
                 # The paused turns before it were answered, and counted by the provider.
@@ -462,7 +462,9 @@ def _canonical(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return copied
 
 
-def _mark_newest(messages: list[dict[str, Any]], *, previous: bool = True) -> list[dict[str, Any]]:
+def _with_cache_marks(
+    messages: list[dict[str, Any]], *, previous: bool = True
+) -> list[dict[str, Any]]:
     """``messages`` with ``cache_control`` on the newest message's last cacheable block,
     and (``previous``) on the previous request's newest (the message before the last
     reply), where that request's cache entry is. The API looks for an entry only about

@@ -54,16 +54,16 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
     def cancel_active_requests(self) -> None:
         # Cold shutdown (SIGQUIT, or SIGTERM with REMAP_SIGTERM=SIGQUIT) cancels the
         # tasks in flight. Only a prefork pool can: it kills their processes, and for
-        # their runs that is a crash (recover resumes them); they are told to drain
-        # first. Another pool's cancel raised inside the consumer (threads: the
-        # worker ended) or inside the run itself (solo: taken for the model's or a
-        # tool's error): their runs drain instead, as on a warm shutdown, and their
-        # tasks return.
+        # their runs that is a crash (recover resumes them). Another pool's cancel
+        # raised inside the consumer (threads: the worker ended) or inside the run
+        # itself (solo: taken for the model's or a tool's error): their runs drain
+        # instead, as on a warm shutdown, and their tasks return.
         from agentruns.worker import begin_shutdown, pool_kind
 
-        begin_shutdown()
         if pool_kind(self.pool) == "prefork":
             super().cancel_active_requests()
+        else:
+            begin_shutdown()
 
     def close(self) -> None:
         # Celery's worker calls this first when it stops, warm or cold, for any cause

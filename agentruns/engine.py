@@ -123,6 +123,7 @@ class Engine:
         self._local = threading.local()  # executions on this thread's stack
         self._calls_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(slots)
+        self._drain_lock = threading.Lock()
         self._draining = False
         self._closed = False
         self.scheduler.bind(self.execute, slots)
@@ -566,6 +567,11 @@ class Engine:
         # inside an execution (a tool), that one's slot is never free before this
         # returns: it is aborted, and it settles once its tool returns.
         others = self.slots - (1 if self._inside_execution() else 0)
+        # One drain takes the slots at a time: two would split them, and each would
+        # wait out its timeout with the other's half.
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if not self._drain_lock.acquire(timeout=-1 if left is None else left):
+            return
         taken = 0
         try:
             while taken < others:
@@ -577,6 +583,7 @@ class Engine:
         finally:
             for _ in range(taken):
                 self._slots.release()
+            self._drain_lock.release()
 
     def idle(self, timeout: float | None = None) -> bool:
         """True once nothing runs here, nothing more can start, and events were delivered."""

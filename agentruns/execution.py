@@ -231,7 +231,7 @@ class Execution:
             return None
         try:
             taken = model.model_validate(state, by_name=True, by_alias=False)
-        except (ValidationError, TypeError, ValueError) as exc:
+        except ValidationError as exc:
             log.warning(
                 "run %s: its thread's state does not fit agent %s's state model (%s);"
                 " it starts from the model's default",

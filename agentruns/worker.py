@@ -174,10 +174,10 @@ def _on_worker_shutting_down(**_: Any) -> None:
     """Warm or cold shutdown: in-flight runs settle ``interrupted`` and release their claims.
 
     Their tasks then return and their messages are acked; ``recover`` requeues
-    the runs for another worker.
+    the runs for another worker. (A cold shutdown's drain may have begun already,
+    in the consumer: one is enough.)
     """
-    _shutting_down.set()
-    _drain_pool()
+    begin_shutdown()
 
 
 def begin_shutdown() -> None:

@@ -1021,6 +1021,34 @@ def test_a_cancel_flagged_as_the_run_pauses_for_approval_cancels_it(
     assert notified == []
 
 
+def test_two_drains_at_once_both_return_once_the_runs_settle(
+    make_engine: EngineFactory,
+) -> None:
+    # Each took what slots it could: neither got all of them, and both waited out
+    # their timeout (a worker's cold shutdown drained twice, and stopped 10 s late).
+    started = threading.Event()
+
+    @tool
+    def slow(q: str) -> str:
+        """Take a second."""
+        started.set()
+        time.sleep(1.0)
+        return q
+
+    model = ScriptedModel([tool_use("slow", {"q": "x"}), text("ok")])
+    engine = make_engine([Agent("a", model, tools=[slow])], slots=4)
+    run = engine.dispatch("a", trigger({}))
+    assert started.wait(10)
+    begun = time.monotonic()
+    drains = [threading.Thread(target=engine.drain, kwargs={"timeout": 10}) for _ in "ab"]
+    for drain in drains:
+        drain.start()
+    for drain in drains:
+        drain.join(15)
+    assert time.monotonic() - begun < 5
+    assert engine.get_run(run.id).status is RunStatus.INTERRUPTED
+
+
 def test_a_run_claimed_as_a_drain_begins_is_interrupted_before_drain_returns(
     make_engine: EngineFactory,
 ) -> None:

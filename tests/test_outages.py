@@ -13,6 +13,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -202,6 +203,45 @@ def test_an_effects_result_is_recorded_across_a_dropped_connection_and_not_repea
             return engine.get_run(run.id).status is RunStatus.COMPLETED
 
         wait_for(finished, "the run to finish", timeout=30)
+        assert len(paid) == 1, paid
+    finally:
+        engine.close()
+
+
+def test_an_effects_result_is_recorded_after_a_first_try_that_failed_slowly(
+    db_url: str, redis_prefix: str, proxy: Proxy, errors: Errors
+) -> None:
+    # The tries' few seconds were counted from the first try: one that waited on a
+    # silent server longer than that was the only one, and the tool ran again.
+    paid: list[str] = []
+
+    @tool(effect=True)
+    def pay(amount: int, ctx: ToolContext) -> str:
+        """Pay."""
+        paid.append(ctx.idempotency_key)
+        proxy.hold()  # Postgres goes silent; 5 s later its connections drop
+
+        def drop() -> None:
+            proxy.cut()
+            proxy.restore()
+
+        threading.Timer(5.0, drop).start()
+        return f"paid {amount}"
+
+    via_proxy = db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    model = ScriptedModel([tool_use("pay", {"amount": 5}), text("Paid.")])
+    agent = Agent("a", model, tools=[pay])
+    engine = _engine(via_proxy, RedisLeases(prefix=redis_prefix), agent, errors, lease_ttl=20)
+    try:
+        run = engine.dispatch("a", trigger({}))
+        wait_for(lambda: engine.idle(0), "the execution", timeout=30)
+
+        def finished() -> bool:
+            engine.recover()
+            assert engine.idle(20)
+            return engine.get_run(run.id).status is RunStatus.COMPLETED
+
+        wait_for(finished, "the run to finish", timeout=60)
         assert len(paid) == 1, paid
     finally:
         engine.close()

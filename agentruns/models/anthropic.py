@@ -138,16 +138,16 @@ class AnthropicModel:
         messages = _canonical(request.messages)
         params = self._params(request)
         # The API takes 4 cache marks in a request; the system prompt's and the tools'
-        # (a server tool may carry one) come first, then the newest message's.
+        # (a server tool may carry one) come first, then the messages'.
         taken = json.dumps([params.get("system"), params.get("tools")]).count('"cache_control"')
-        previous = taken + 2 <= MAX_CACHE_MARKS
+        marks = max(0, min(2, MAX_CACHE_MARKS - taken))
         content: list[dict[str, Any]] = []
         raw: list[dict[str, Any]] = []
         usage = Usage()
         for _ in range(MAX_PAUSE_TURNS + 1):
             turn = [*messages, {"role": "assistant", "content": raw}] if raw else messages
             try:
-                marked = _with_cache_marks(turn, previous=previous)
+                marked = _with_cache_marks(turn, marks)
                 message = self._call(client, {**params, "messages": marked}, signal)
             except ModelError as exc:
                 # The paused turns before it were answered, and counted by the provider.
@@ -462,15 +462,14 @@ def _canonical(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return copied
 
 
-def _with_cache_marks(
-    messages: list[dict[str, Any]], *, previous: bool = True
-) -> list[dict[str, Any]]:
+def _with_cache_marks(messages: list[dict[str, Any]], marks: int = 2) -> list[dict[str, Any]]:
     """``messages`` with ``cache_control`` on the newest message's last cacheable block,
-    and (``previous``) on the previous request's newest (the message before the last
-    reply), where that request's cache entry is. The API looks for an entry only about
-    20 blocks back from a mark: a step of many tool calls and results would miss it."""
+    and on the previous request's newest (the message before the last reply), where
+    that request's cache entry is: as many of the two as ``marks``, newest first. The
+    API looks for an entry only about 20 blocks back from a mark: a step of many tool
+    calls and results would miss it."""
     marked = list(messages)
-    for index in _cache_points(messages)[: 2 if previous else 1]:
+    for index in _cache_points(messages)[:marks]:
         marked[index] = _marked(messages[index])
     return marked
 

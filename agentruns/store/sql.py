@@ -438,7 +438,7 @@ class SqlStore:
         effect (recovery finds an intent without a result): a connection that died
         while the tool ran (a restart, a killed backend) is tried again on a new one,
         for a few seconds. The write is fenced and sets what it sets: safe to repeat."""
-        deadline = time.monotonic() + _FINISH_EFFECT_TRIES_S
+        deadline: float | None = None  # from the first failure on
         for pause in (*_FINISH_EFFECT_PAUSES_S, None):
             try:
                 with self._atomic.begin() as conn:
@@ -452,8 +452,10 @@ class SqlStore:
                     )
                 return
             except (OperationalError, sa.exc.InterfaceError) as exc:
-                # Not past the few seconds: a silent server (each try waiting out its
-                # timeout) would hold the execution, and its drain or cancel, long.
+                # For a few seconds from the first failure: a silent server (each try
+                # waiting out its timeout) would hold the execution, and its drain, long.
+                if deadline is None:
+                    deadline = time.monotonic() + _FINISH_EFFECT_TRIES_S
                 if pause is None or time.monotonic() + pause > deadline:
                     raise
                 log.warning("could not record an effect's result (%s); trying again", exc)

@@ -1,16 +1,17 @@
-"""A TCP proxy a test can cut and restore, in front of a service other tests share."""
+"""A TCP proxy a test can hold, cut and restore, in front of a service other tests share."""
 
 from __future__ import annotations
 
 import contextlib
 import socket
 import threading
+import time
 
 from tests.conftest import free_port
 
 
 class Proxy:
-    """A TCP proxy to Postgres that a test can cut and restore."""
+    """A TCP proxy to Postgres that a test can hold (a silent server), cut and restore."""
 
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
@@ -18,6 +19,7 @@ class Proxy:
         self._sockets: list[socket.socket] = []
         self._lock = threading.Lock()
         self._open = True
+        self._holding = False
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", self.port))
@@ -26,6 +28,11 @@ class Proxy:
 
     def restore(self) -> None:
         self._open = True
+        self._holding = False
+
+    def hold(self) -> None:
+        """Pass nothing on, in either direction, until cut: a server gone silent."""
+        self._holding = True
 
     def _accept(self) -> None:
         while True:
@@ -42,10 +49,11 @@ class Proxy:
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
         try:
             while data := src.recv(65536):
+                while self._holding and self._open:
+                    time.sleep(0.01)
                 dst.sendall(data)
         except OSError:
             pass

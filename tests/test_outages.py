@@ -141,6 +141,17 @@ def _engine(
     )
 
 
+def _finish_recovering(engine: Engine, run_id: str, timeout: float) -> None:
+    """Wait for the run to complete, recovering it meanwhile (beat's part)."""
+
+    def finished() -> bool:
+        engine.recover()
+        assert engine.idle(20)
+        return engine.get_run(run_id).status is RunStatus.COMPLETED
+
+    wait_for(finished, "the run to finish", timeout=timeout)
+
+
 def test_postgres_going_away_aborts_the_execution_and_recover_finishes_the_run(
     db_url: str, redis_prefix: str, proxy: Proxy, errors: Errors
 ) -> None:
@@ -196,13 +207,8 @@ def test_an_effects_result_is_recorded_across_a_dropped_connection_and_not_repea
     try:
         run = engine.dispatch("a", trigger({}))
         assert engine.idle(20)
-
-        def finished() -> bool:
-            engine.recover()  # what followed the record may have met a dead connection
-            assert engine.idle(20)
-            return engine.get_run(run.id).status is RunStatus.COMPLETED
-
-        wait_for(finished, "the run to finish", timeout=30)
+        # What followed the record may have met a dead connection too.
+        _finish_recovering(engine, run.id, timeout=30)
         assert len(paid) == 1, paid
     finally:
         engine.close()
@@ -235,13 +241,7 @@ def test_an_effects_result_is_recorded_after_a_first_try_that_failed_slowly(
     try:
         run = engine.dispatch("a", trigger({}))
         wait_for(lambda: engine.idle(0), "the execution", timeout=30)
-
-        def finished() -> bool:
-            engine.recover()
-            assert engine.idle(20)
-            return engine.get_run(run.id).status is RunStatus.COMPLETED
-
-        wait_for(finished, "the run to finish", timeout=60)
+        _finish_recovering(engine, run.id, timeout=60)
         assert len(paid) == 1, paid
     finally:
         engine.close()

@@ -9,24 +9,44 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from agentruns import tokens
+from agentruns.agent import Agent
 from agentruns.errors import AgentrunsError, InvalidTokenError, NotifierError, UnknownAgentError
+from agentruns.events import Events
+from agentruns.leases.base import Leases
 from agentruns.runs import Run, RunStatus, is_utf8, utcnow
-from agentruns.store.base import Commit, Guard, NewStep
-
-if TYPE_CHECKING:
-    from agentruns.engine import Engine
+from agentruns.schedulers.base import Scheduler
+from agentruns.store.base import Commit, Committed, Guard, NewStep, Store
 
 # The shortest time the lock around a notifier call is taken for (it is renewed).
 _NOTIFY_LOCK_S = 30.0
 
 
+class Host(Protocol):
+    """What approvals need from the engine whose runs they are."""
+
+    store: Store
+    leases: Leases
+    scheduler: Scheduler
+    events: Events
+    secret: str
+    owner: str
+    lease_ttl: float
+
+    @property
+    def agents(self) -> dict[str, Agent]: ...
+
+    def published(self, committed: Committed) -> None: ...
+
+    def report(self, exc: Exception) -> None: ...
+
+
 class Approvals:
     """An engine's approvals (SPEC §4, "Approvals")."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Host) -> None:
         self.engine = engine
 
     def resume(self, token: str, *, approved: bool, reason: str | None = None) -> Run:

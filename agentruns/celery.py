@@ -4,7 +4,8 @@ Configuration is :func:`defaults` (from ``AGENTRUNS_*``), then the top-level
 ``celeryconfig`` module when it can be imported (the repository's, or a
 deployment's own), which starts from the same defaults and may override them.
 A worker's own engine, and how it drains when the worker stops, are
-``agentruns.worker``'s.
+``agentruns.worker``'s, whose signal handlers the tasks' module
+(``agentruns.tasks``, which every worker imports) connects by importing it.
 """
 
 from __future__ import annotations
@@ -229,7 +230,3 @@ def _apply_celeryconfig(conf: Any) -> set[str]:
             if name not in ours or ours[name] != value:
                 changed.add(name)
     return changed
-
-
-# A worker's engine and its drain hang on Celery's worker signals: connected with the app.
-import agentruns.worker  # noqa: E402, F401

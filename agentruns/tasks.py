@@ -33,7 +33,7 @@ from agentruns.celery import app
 from agentruns.engine import Engine
 from agentruns.errors import AgentrunsError, NotMigratedError
 from agentruns.runs import Run, RunStatus
-from agentruns.worker import get_engine, shutting_down
+from agentruns.worker import get_engine, shutting_down  # and a worker's signal handlers
 
 log = logging.getLogger("agentruns")
 

@@ -170,22 +170,15 @@ def _drain() -> None:
         log.exception("agentruns: drain failed")
 
 
-def _on_worker_shutting_down(**_: Any) -> None:
-    """Warm or cold shutdown: in-flight runs settle ``interrupted`` and release their claims.
+def begin_shutdown(**_: Any) -> None:
+    """The worker stops, warm or cold, for any cause: its in-flight runs settle
+    ``interrupted`` and release their claims, once. Their tasks then return and
+    their messages are acked; ``recover`` requeues the runs for another worker.
 
-    Their tasks then return and their messages are acked; ``recover`` requeues
-    the runs for another worker. (A cold shutdown's drain may have begun already,
-    in the consumer: one is enough.)
-    """
-    begin_shutdown()
-
-
-def begin_shutdown() -> None:
-    """The worker stops (its consumer closes): drain, unless a signal already did.
-
-    Celery sends ``worker_shutting_down`` only from its signal handlers; a remote
-    ``shutdown`` command stops the worker without it, and the pool would otherwise
-    wait for every run in flight to finish."""
+    Called on ``worker_shutting_down``, which Celery sends only from its signal
+    handlers, and by the consumer as it closes (a remote ``shutdown`` sends no
+    signal, and the pool would wait for every run in flight to finish) or as a
+    cold shutdown cancels its tasks: whichever comes first drains."""
     if not _shutting_down.is_set():
         _shutting_down.set()
         _drain_pool()
@@ -225,6 +218,6 @@ def _on_shutdown(**_: Any) -> None:
 
 signals.worker_ready.connect(_on_worker_ready)
 signals.worker_process_init.connect(_on_worker_process_init)
-signals.worker_shutting_down.connect(_on_worker_shutting_down)
+signals.worker_shutting_down.connect(begin_shutdown)
 signals.worker_process_shutdown.connect(_on_shutdown)
 signals.worker_shutdown.connect(_on_shutdown)

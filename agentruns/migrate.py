@@ -1,18 +1,15 @@
-"""Applying and checking the Alembic migrations shipped in the package."""
+"""Applying the Alembic migrations shipped in the package (``agentruns migrate``)."""
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 import sqlalchemy as sa
 from alembic import command
 from alembic.config import Config
-from alembic.runtime.migration import MigrationContext
-from alembic.script import ScriptDirectory
-from sqlalchemy.engine import Connection
 
 from agentruns.errors import AgentrunsError
+from agentruns.migrations import current_revision
 from agentruns.store.connect import make_engine
 
 _SCRIPTS = str(Path(__file__).parent / "migrations")
@@ -27,21 +24,6 @@ def _config() -> Config:
     config = Config()
     config.set_main_option("script_location", _SCRIPTS)
     return config
-
-
-@cache
-def head_revision() -> str | None:
-    return ScriptDirectory.from_config(_config()).get_current_head()
-
-
-@cache
-def known_revisions() -> frozenset[str]:
-    """The revisions this release's migrations know."""
-    return frozenset(s.revision for s in ScriptDirectory.from_config(_config()).walk_revisions())
-
-
-def current_revision(conn: Connection) -> str | None:
-    return MigrationContext.configure(conn).get_current_revision()
 
 
 def migrate(url: str, lock_timeout: float = LOCK_TIMEOUT_S) -> str | None:

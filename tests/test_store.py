@@ -19,7 +19,8 @@ import sqlalchemy as sa
 
 from agentruns import Agent, Engine, LeaseLostError, RunStatus, SqlStore, TriggerEnvelope
 from agentruns.errors import AgentrunsError, NotMigratedError
-from agentruns.migrate import current_revision, head_revision, migrate
+from agentruns.migrate import migrate
+from agentruns.migrations import HEAD, REVISIONS, current_revision
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
@@ -79,6 +80,33 @@ def test_an_engine_on_a_database_a_newer_release_migrated_says_so(tmp_path: obje
         SqlStore(url).check_schema()
 
 
+def test_the_revisions_an_engine_checks_for_are_alembics_own() -> None:
+    # An engine checks the revision without Alembic: a new migration must be
+    # named in REVISIONS too, or every engine would refuse the migrated database.
+    from alembic.script import ScriptDirectory
+
+    from agentruns.migrate import _config
+
+    history = ScriptDirectory.from_config(_config()).walk_revisions()
+    assert tuple(reversed([script.revision for script in history])) == REVISIONS
+
+
+def test_an_engine_starts_without_importing_alembic(pg_url: str) -> None:
+    # Importing it cost every worker process about 0.25 s, and logged nine INFO
+    # lines ("setup plugin alembic.autogenerate...", "Context impl ...").
+    code = (
+        "import sys\n"
+        "from agentruns import Engine, SqlStore\n"
+        "Engine(SqlStore(sys.argv[1]), agents=[], secret='s').close()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, pg_url], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
 def test_migrations_run_at_once_by_several_deploys_all_succeed(empty_pg: str) -> None:
     # Each process upgrades from nothing at the same moment: without a lock, all
     # but one failed creating the same tables (or adding the same columns).
@@ -94,7 +122,7 @@ def test_migrations_run_at_once_by_several_deploys_all_succeed(empty_pg: str) ->
     ]
     outputs = [(p.wait(timeout=60), p.stdout.read() if p.stdout else "") for p in procs]
     assert [rc for rc, _ in outputs] == [0, 0, 0], outputs
-    assert migrate(empty_pg) == head_revision()
+    assert migrate(empty_pg) == HEAD
 
 
 def test_the_migrations_build_the_schema_the_store_uses(empty_pg: str, tmp_path: object) -> None:
@@ -136,7 +164,7 @@ def test_a_migration_a_long_transaction_holds_up_gives_up_changing_nothing(
     with engine.connect() as conn:
         assert current_revision(conn) == "0001"  # nothing changed
     engine.dispose()
-    assert migrate(empty_pg) == head_revision()
+    assert migrate(empty_pg) == HEAD
 
 
 def test_a_thread_stored_before_0002_is_continued_after_it(empty_pg: str, tmp_path: object) -> None:

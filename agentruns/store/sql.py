@@ -19,6 +19,7 @@ from agentruns.errors import (
     NotMigratedError,
     RunNotFoundError,
 )
+from agentruns.migrations import HEAD, REVISIONS, current_revision
 from agentruns.runs import (
     Checkpoint,
     Run,
@@ -102,9 +103,6 @@ class SqlStore:
         """Refuse to work on a database that ``agentruns migrate`` has not brought up to date."""
         if self._checked:
             return
-        # Alembic is imported only here, when a store is first used: not on `import agentruns`.
-        from agentruns.migrate import current_revision, head_revision, known_revisions
-
         try:
             with self._reads.connect() as conn:
                 current = current_revision(conn)
@@ -112,17 +110,17 @@ class SqlStore:
             raise NotMigratedError(
                 f"cannot read the schema version of {self._safe_url()}: {exc.orig}"
             ) from exc
-        if current is not None and current not in known_revisions():
+        if current is not None and current not in REVISIONS:
             # `agentruns migrate` here would not help: it knows no way from there.
             raise NotMigratedError(
                 f"the database {self._safe_url()} is at schema {current}, newer than this "
-                f"release of agentruns knows (its newest is {head_revision()}): a newer "
+                f"release of agentruns knows (its newest is {HEAD}): a newer "
                 "release migrated it; run that release here too"
             )
-        if current != head_revision():
+        if current != HEAD:
             raise NotMigratedError(
                 f"the database {self._safe_url()} is not migrated "
-                f"(at {current or 'nothing'}, need {head_revision()}): run `agentruns migrate`"
+                f"(at {current or 'nothing'}, need {HEAD}): run `agentruns migrate`"
             )
         self._checked = True
 

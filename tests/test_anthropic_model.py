@@ -294,6 +294,16 @@ def test_server_tools_are_sent_after_the_agents_and_their_blocks_are_kept_to_sen
     assert fake.requests[1].messages[1]["content"][:2] == [call, response.content[1]]
 
 
+def test_a_server_tool_named_like_one_of_the_agents_fails_the_call_saying_so(
+    fake: FakeAnthropic,
+) -> None:
+    # The API answers 400 to a request whose tools share a name; it was sent anyway.
+    model = make_model(fake, tools=[{"type": "web_search_20250305", "name": "search_issues"}])
+    with pytest.raises(ModelError, match="'search_issues' has the name of a server tool"):
+        model.complete(request(), threading.Event())
+    assert fake.requests == []
+
+
 @pytest.mark.parametrize("tool_marks", [0, 1, 2, 3])
 def test_a_request_carries_at_most_the_four_cache_marks_the_api_takes(
     fake: FakeAnthropic, tool_marks: int

@@ -194,6 +194,14 @@ class AnthropicModel:
                 for spec in request.tools
             ]
         if self._server_tools:
+            names = {t.get("name") for t in self._server_tools}
+            clash = sorted(s.name for s in request.tools if s.name in names)
+            if clash:
+                # The API would answer 400 to every call; say which names to change.
+                raise ModelError(
+                    f"the agent's tool {clash[0]!r} has the name of a server tool "
+                    "given to AnthropicModel(tools=...): rename one of them"
+                )
             params["tools"] = [*params.get("tools", []), *self._server_tools]
         params.update(self._create_kwargs)
         return params

@@ -400,6 +400,18 @@ class Execution:
             )
         if awaiting is not None:
             self._pause(awaiting, pending, tool_steps, index, finish_reason)
+        self._save_results(messages, calls, pending, tool_steps, index, finish_reason)
+
+    def _save_results(
+        self,
+        messages: list[dict[str, Any]],
+        calls: list[dict[str, Any]],
+        pending: dict[str, Any],
+        tool_steps: list[NewStep],
+        index: int,
+        finish_reason: str,
+    ) -> None:
+        """End the step: its tool rows, the message answering every call, the checkpoint."""
         results = [
             transcript.tool_result(
                 c["id"], pending[c["id"]]["content"], pending[c["id"]]["is_error"]

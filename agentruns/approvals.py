@@ -103,21 +103,22 @@ class Approvals:
             started_at=min(asked, now),
             finished_at=now,
         )
-        committed = engine.store.commit(
-            run,
-            Guard(status=RunStatus.WAITING, token_id=wait.token_id),
-            # The same step index: the answer joins the checkpoint of the step that asked.
-            Commit(
-                steps=[step],
-                pending=pending,
-                checkpoint=(run.steps_used - 1, "tool_use"),
-                status=RunStatus.QUEUED,
-                waiting=None,
-            ),
-        )
-        if committed is None:
-            raise InvalidTokenError("stale", "the approval was answered or cancelled meanwhile")
-        engine.published(committed)
+        with engine.events.writing(run.id):
+            committed = engine.store.commit(
+                run,
+                Guard(status=RunStatus.WAITING, token_id=wait.token_id),
+                # The same step index: the answer joins the checkpoint of the step that asked.
+                Commit(
+                    steps=[step],
+                    pending=pending,
+                    checkpoint=(run.steps_used - 1, "tool_use"),
+                    status=RunStatus.QUEUED,
+                    waiting=None,
+                ),
+            )
+            if committed is None:
+                raise InvalidTokenError("stale", "the approval was answered or cancelled meanwhile")
+            engine.published(committed)
         engine.scheduler.schedule(run.id)
         return committed.run
 
@@ -194,13 +195,14 @@ class Approvals:
                 # Its own kind: a webhook's OSError is not the store or Redis going away.
                 raise NotifierError(run.id, exc) from exc
             notified = current.waiting.model_copy(update={"notified_at": utcnow()})
-            committed = engine.store.commit(
-                current,
-                Guard(status=RunStatus.WAITING, token_id=wait.token_id),
-                Commit(waiting=notified),
-            )
-            if committed is not None:
-                engine.events.run_updated(committed.run)
+            with engine.events.writing(run.id):
+                committed = engine.store.commit(
+                    current,
+                    Guard(status=RunStatus.WAITING, token_id=wait.token_id),
+                    Commit(waiting=notified),
+                )
+                if committed is not None:
+                    engine.events.run_updated(committed.run)
         except Exception as exc:
             engine.report(exc)
         finally:

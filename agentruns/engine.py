@@ -126,6 +126,7 @@ class Engine:
         self._drain_lock = threading.Lock()
         self._draining = False
         self._closed = False
+        self._shut = False  # close() has returned: nothing more may start
         self.scheduler.bind(self.execute, slots)
         self._unsubscribe_aborts = self.leases.on_abort_request(self._abort_requested)
         self._closers: list[Callable[[], None]] = []
@@ -171,12 +172,19 @@ class Engine:
         ``schedule=False`` leaves the scheduling to the caller.
         """
         new = self._new_run(agent, trigger, idempotency_key, concurrency_key, thread, budget)
-        run, created = self.store.create_run(new)
-        if created:
-            self.events.run_updated(run)
-        if schedule and run.status is RunStatus.QUEUED:
-            # Also for a duplicate: its first dispatcher may have died before scheduling.
-            self.scheduler.schedule(run.id)
+        with self._calling():
+            run = self._store_queued(new)
+            if schedule and run.status is RunStatus.QUEUED:
+                # Also for a duplicate: its first dispatcher may have died before scheduling.
+                self.scheduler.schedule(run.id)
+            return run
+
+    def _store_queued(self, new: NewRun) -> Run:
+        """``new`` stored queued; the run an idempotency key already names, if one does."""
+        with self.events.writing(new.id):
+            run, created = self.store.create_run(new)
+            if created:
+                self.events.run_updated(run)
         return run
 
     def dispatch_here(
@@ -218,9 +226,7 @@ class Engine:
             if run is not None:
                 self._after_run(run)
                 return run
-        run, created = self.store.create_run(new)
-        if created:
-            self.events.run_updated(run)
+        run = self._store_queued(new)
         if run.status is RunStatus.QUEUED and not self._draining:
             return self.execute(run.id)
         return run
@@ -347,11 +353,18 @@ class Engine:
                 "waits for it"
             )
 
+    def _not_shut(self) -> None:
+        if self._shut:
+            # Its scheduler would drop what it schedules: a run would wait for recover().
+            raise RuntimeError("this engine is closed: build another one")
+
     @contextlib.contextmanager
     def _calling(self) -> Iterator[None]:
         """An ``execute`` or ``dispatch_here`` in progress, for ``idle``: from before
         its claim until after what follows a run's release (its notifier, the next
-        run of its key)."""
+        run of its key); and every other call that writes runs, from before its write
+        until its events are delivered and its run is scheduled."""
+        self._not_shut()
         with self._calls_lock:
             self._calls += 1
         self._local.calls = getattr(self._local, "calls", 0) + 1
@@ -372,7 +385,10 @@ class Engine:
             self.report(exc)
             return self.store.get_run(run_id), False
         try:
-            claimed = self.store.claim(run_id, self.owner, self._keeper.expiry())
+            # A write that committed before this claim (an answer's requeue) has its
+            # events queued before this run's "running".
+            with self.events.writing(run_id):
+                claimed = self.store.claim(run_id, self.owner, self._keeper.expiry())
         except Exception:
             self._release_lease(run_id)
             raise
@@ -451,13 +467,14 @@ class Engine:
 
     def _fail(self, run: Run, epoch: int, error: RunError) -> Run:
         """Settle a run this engine claimed ``failed``, outside any execution."""
-        committed = self.store.commit(
-            run,
-            Guard(status=RunStatus.RUNNING, epoch=epoch),
-            Commit(status=RunStatus.FAILED, error=error, release_claim=True),
-        )
-        assert committed is not None
-        self.published(committed)
+        with self.events.writing(run.id):
+            committed = self.store.commit(
+                run,
+                Guard(status=RunStatus.RUNNING, epoch=epoch),
+                Commit(status=RunStatus.FAILED, error=error, release_claim=True),
+            )
+            assert committed is not None
+            self.published(committed)
         return committed.run
 
     def _schedule_next(self, key: str) -> None:
@@ -498,7 +515,8 @@ class Engine:
 
     def resume(self, token: str, *, approved: bool, reason: str | None = None) -> Run:
         """Answer the approval a token stands for, once; the run is queued again."""
-        return self._approvals.resume(token, approved=approved, reason=reason)
+        with self._calling():
+            return self._approvals.resume(token, approved=approved, reason=reason)
 
     def approval_token(self, run_id: str) -> str:
         """Mint the current resume token of a waiting run again (for an operator)."""
@@ -507,33 +525,38 @@ class Engine:
     # -- control -------------------------------------------------------------------------------
 
     def cancel(self, run_id: str) -> Run:
-        run = self.store.request_cancel(_run_id(run_id))
-        if run.status is RunStatus.RUNNING:
-            try:
-                self.leases.request_abort(run_id)
-            except Exception as exc:
-                self.report(exc)  # the owner still sees cancel_requested on its next renewal
-        elif run.status is RunStatus.CANCELLED:
-            self.events.run_updated(run)
-            if run.concurrency_key is not None:
+        run_id = _run_id(run_id)
+        with self._calling():
+            with self.events.writing(run_id):
+                run = self.store.request_cancel(run_id)
+                if run.status is RunStatus.CANCELLED:
+                    self.events.run_updated(run)
+            if run.status is RunStatus.RUNNING:
+                try:
+                    self.leases.request_abort(run_id)
+                except Exception as exc:
+                    self.report(exc)  # the owner still sees cancel_requested on its next renewal
+            elif run.status is RunStatus.CANCELLED and run.concurrency_key is not None:
                 self._schedule_next(run.concurrency_key)
-        return run
+            return run
 
     def tick(self) -> None:
         """Deny approvals past their expiry; re-send notifications that did not go through."""
+        self._not_shut()
         self._approvals.tick()
 
     def recover(self) -> list[str]:
         """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge was lost."""
         now = utcnow()
         requeued: list[str] = []
-        for ref in self.store.sweep_candidates(now - timedelta(seconds=self.requeue_after)):
-            try:
-                if self._requeue(ref, now):
-                    requeued.append(ref.id)
-                    self.scheduler.schedule(ref.id)
-            except Exception as exc:
-                self.report(exc)
+        with self._calling():
+            for ref in self.store.sweep_candidates(now - timedelta(seconds=self.requeue_after)):
+                try:
+                    if self._requeue(ref, now):
+                        requeued.append(ref.id)
+                        self.scheduler.schedule(ref.id)
+                except Exception as exc:
+                    self.report(exc)
         return requeued
 
     def _requeue(self, ref: RunRef, now: datetime) -> bool:
@@ -550,10 +573,11 @@ class Engine:
                 return False
         elif ref.status is RunStatus.QUEUED and self.leases.holder(ref.id) is not None:
             return False  # an execution is claiming it right now
-        requeued = self.store.requeue(ref)
-        if requeued is None:
-            return False
-        self.events.run_updated(requeued)
+        with self.events.writing(ref.id):
+            requeued = self.store.requeue(ref)
+            if requeued is None:
+                return False
+            self.events.run_updated(requeued)
         return True
 
     def drain(self, timeout: float | None = None) -> None:
@@ -590,7 +614,12 @@ class Engine:
         self._not_inside_a_call("idle()")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
-            if not self._calls and not self._keeper.busy() and self.scheduler.outstanding() == 0:
+            if (
+                not self._calls
+                and not self._keeper.busy()
+                and self.scheduler.outstanding() == 0
+                and not self.events.busy()
+            ):
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
@@ -616,6 +645,7 @@ class Engine:
         self.scheduler.close()
         self.leases.close()
         self.store.close()
+        self._shut = True
 
     def __enter__(self) -> Engine:
         return self

@@ -34,6 +34,7 @@ from agentruns.errors import (
     InvalidCheckpointError,
     LeaseLostError,
 )
+from agentruns.events import Events
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
 from agentruns.runs import (
     Budget,
@@ -57,6 +58,7 @@ class Host(Protocol):
     """What an execution needs from the engine that runs it."""
 
     store: Store
+    events: Events
 
     def report(self, exc: Exception) -> None: ...
 
@@ -536,10 +538,11 @@ class Execution:
     def _commit(self, write: Commit) -> Run:
         if self.reason is Abort.LEASE_LOST:
             raise LeaseLostError(self.run.id)
-        committed = self.store.commit(self.run, self._guard, write)
-        assert committed is not None  # a running guard raises instead
-        self.run = committed.run
-        self.engine.published(committed)
+        with self.engine.events.writing(self.run.id):
+            committed = self.store.commit(self.run, self._guard, write)
+            assert committed is not None  # a running guard raises instead
+            self.run = committed.run
+            self.engine.published(committed)
         return self.run
 
     def _check_abort(self) -> None:

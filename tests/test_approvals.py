@@ -366,6 +366,66 @@ def test_a_listener_that_answers_leaves_the_next_listeners_events_in_order(
     assert [r.updated_at for r in seen] == sorted(r.updated_at for r in seen), statuses
 
 
+def test_a_runs_events_keep_their_commit_order_when_another_thread_answers(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    # The answer (a web handler's thread) committed "queued", then its listeners took
+    # a while; the execution the pausing engine scheduled meanwhile delivered its
+    # "running" and "completed" first, and every listener ended on "queued".
+    agent, _ = comment_agent(calls)
+    engine = make_engine([agent])
+    answered = threading.Event()
+
+    def answer(run_id: str) -> None:
+        engine.resume(engine.approval_token(run_id), approved=True)
+
+    def on_run(event: Event) -> None:
+        assert event.run is not None
+        seen.append(event.run)
+        if event.run.status is RunStatus.WAITING and not answered.is_set():
+            answered.set()
+            threading.Thread(target=answer, args=(event.run.id,)).start()
+            # The answer commits before this engine looks at the run again.
+            wait_for(lambda: engine.get_run(event.run.id).status is not RunStatus.WAITING)
+
+    def on_step(event: Event) -> None:
+        if event.step is not None and event.step.kind == "wait":
+            time.sleep(0.5)  # shipping the answer to an audit log
+
+    seen: list[Run] = []
+    engine.on("run.updated", on_run)
+    engine.on("step.appended", on_step)
+    run = engine.dispatch("triage", trigger({}))
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    statuses = [r.status.value for r in seen]
+    assert statuses[-1] == "completed", statuses
+    assert statuses[statuses.index("waiting") + 1] == "queued", statuses
+    assert [r.updated_at for r in seen] == sorted(r.updated_at for r in seen), statuses
+
+
+def test_idle_waits_for_another_threads_answer_and_the_execution_it_starts(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    # idle() said True while the answer's listeners ran, before it scheduled the run.
+    agent, _ = comment_agent(calls)
+    engine = make_engine([agent])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    token = engine.approval_token(run.id)
+
+    def slow(event: Event) -> None:
+        if event.run is not None and event.run.status is RunStatus.QUEUED:
+            time.sleep(0.5)
+
+    engine.on("run.updated", slow)
+    answering = threading.Thread(target=engine.resume, args=(token,), kwargs={"approved": True})
+    answering.start()
+    wait_for(lambda: engine.get_run(run.id).status is RunStatus.QUEUED)
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    answering.join(5)
+
+
 def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(
     make_engine: EngineFactory, calls: Calls, errors: Errors
 ) -> None:

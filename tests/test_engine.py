@@ -1246,6 +1246,32 @@ def test_a_drained_thread_run_goes_first_again_and_its_thread_keeps_its_order(
     assert r2_done.output == "answered 2 questions"
 
 
+def test_a_closed_engine_refuses_new_work_saying_so_and_still_reads(
+    make_engine: EngineFactory,
+) -> None:
+    # A dispatch after close() stored a queued run that its closed scheduler dropped:
+    # it waited for a recover() after requeue_after, silently. An execute did nothing.
+    engine = make_engine([Agent("triage", ScriptedModel([text("ok")]))])
+    run = engine.dispatch("triage", trigger({}))
+    assert engine.idle(10)
+    engine.close()
+    calls: list[Callable[[], object]] = [
+        lambda: engine.dispatch("triage", trigger({"n": 2})),
+        lambda: engine.dispatch_here("triage", trigger({"n": 3})),
+        lambda: engine.execute(run.id),
+        lambda: engine.cancel(run.id),
+        lambda: engine.resume("token", approved=True),
+        engine.recover,
+        engine.tick,
+    ]
+    for call in calls:
+        with pytest.raises(RuntimeError, match="this engine is closed"):
+            call()
+    assert [r.id for r in engine.list_runs()] == [run.id]  # nothing was stored
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    engine.close()  # twice is harmless
+
+
 def test_a_listener_that_raises_reaches_on_error_and_the_run_completes(
     make_engine: EngineFactory, errors: Errors
 ) -> None:

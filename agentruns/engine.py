@@ -68,6 +68,9 @@ _THREAD_KEY = "thread:"
 _INFRASTRUCTURE = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
+    # No pooled connection came free in time: the database is stalled (a lock held
+    # for long, a slow disk), and every thread waits for its connection back.
+    sqlalchemy.exc.TimeoutError,
     redis.ConnectionError,
     redis.TimeoutError,
     OSError,

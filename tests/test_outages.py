@@ -152,6 +152,53 @@ def _finish_recovering(engine: Engine, run_id: str, timeout: float) -> None:
     wait_for(finished, "the run to finish", timeout=timeout)
 
 
+def test_a_run_that_finds_no_free_database_connection_is_left_to_recover(
+    db_url: str, redis_prefix: str, errors: Errors
+) -> None:
+    # A database stalled for longer than the pool's timeout (a table lock held,
+    # a slow disk) keeps every connection out: a write that could get none failed
+    # its run for good, with internal_error ("QueuePool limit ... reached").
+    store = SqlStore(db_url, pool_size=2, pool_timeout=0.3)
+    held = threading.Event()
+
+    def stall() -> None:
+        connections = []
+        with contextlib.suppress(sqlalchemy.exc.TimeoutError):
+            while True:
+                connections.append(store.engine.connect())
+        held.set()
+        wait_for(lambda: errors, "the execution to give up")  # then the stall ends
+        for connection in connections:
+            connection.close()
+
+    @tool
+    def slow_query() -> str:
+        """Start a stall of the database."""
+        threading.Thread(target=stall, daemon=True).start()
+        held.wait(5)
+        return "started"
+
+    agent = Agent("a", ScriptedModel([tool_use("slow_query", {}), text("done")]), tools=[slow_query])
+    engine = Engine(
+        store,
+        leases=RedisLeases(prefix=redis_prefix),
+        scheduler=LocalScheduler(),
+        agents=[agent],
+        secret="s",
+        lease_ttl=1.0,
+        on_error=errors.append,
+    )
+    try:
+        run = engine.dispatch("a", trigger({}))
+        assert engine.idle(20)
+        assert isinstance(errors[0], sqlalchemy.exc.TimeoutError)
+        left = engine.get_run(run.id)
+        assert left.status is RunStatus.RUNNING and left.error is None, left.error
+        _finish_recovering(engine, run.id, timeout=20)
+    finally:
+        engine.close()
+
+
 def test_postgres_going_away_aborts_the_execution_and_recover_finishes_the_run(
     db_url: str, redis_prefix: str, proxy: Proxy, errors: Errors
 ) -> None:

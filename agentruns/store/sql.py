@@ -449,7 +449,7 @@ class SqlStore:
                         )
                     )
                 return
-            except (OperationalError, sa.exc.InterfaceError) as exc:
+            except (OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
                 # For a few seconds from the first failure: a silent server (each try
                 # waiting out its timeout) would hold the execution, and its drain, long.
                 if deadline is None:

@@ -178,7 +178,9 @@ def test_a_run_that_finds_no_free_database_connection_is_left_to_recover(
         held.wait(5)
         return "started"
 
-    agent = Agent("a", ScriptedModel([tool_use("slow_query", {}), text("done")]), tools=[slow_query])
+    agent = Agent(
+        "a", ScriptedModel([tool_use("slow_query", {}), text("done")]), tools=[slow_query]
+    )
     engine = Engine(
         store,
         leases=RedisLeases(prefix=redis_prefix),

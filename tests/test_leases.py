@@ -254,3 +254,39 @@ def test_close_stops_the_abort_listener(prefix: str) -> None:
     leases.on_abort_request(lambda run_id: None)
     leases.close()
     assert not [t for t in threading.enumerate() if t.name.endswith(f"[{prefix}]")]
+
+
+class _Execution:
+    """What the keeper holds of an execution: its run and how to abort it."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.aborted: list[object] = []
+
+    def abort(self, reason: object) -> None:
+        self.aborted.append(reason)
+
+
+def test_a_cancel_heard_before_its_run_is_kept_aborts_it_within_a_lease_ttl_only() -> None:
+    # Every engine hears every cancel; one for a run it is about to keep must still
+    # reach it, and the others are forgotten after a lease TTL, oldest first.
+    from agentruns.execution import Abort
+    from agentruns.keeper import LeaseKeeper
+
+    keeper = LeaseKeeper(LocalLeases(), None, "me", 0.2, lambda exc: None)  # type: ignore[arg-type]
+    try:
+        for n in range(1000):
+            keeper.abort(f"elsewhere-{n}", Abort.CANCEL)
+        keeper.abort("soon", Abort.CANCEL)
+        soon = _Execution("soon")
+        keeper.keep(soon, None)  # type: ignore[arg-type]
+        assert soon.aborted[:1] == [Abort.CANCEL]
+        keeper.release("soon")
+        keeper.abort("late", Abort.CANCEL)
+        time.sleep(0.3)
+        keeper.abort("other", Abort.CANCEL)  # forgets those older than the TTL here
+        late = _Execution("late")
+        keeper.keep(late, None)  # type: ignore[arg-type]
+        assert Abort.CANCEL not in late.aborted  # (its lease, never taken, may be "lost")
+    finally:
+        keeper.stop()

@@ -553,7 +553,13 @@ class Engine:
         now = utcnow()
         requeued: list[str] = []
         with self._calling():
+            # While nudges wait for a worker (a backlog), a queued run's is most likely
+            # among them: another would only lengthen the line, on every sweep, by every
+            # run in it. Its nudge counts as lost once the line is gone.
+            behind = bool(self.scheduler.waiting())
             for ref in self.store.sweep_candidates(now - timedelta(seconds=self.requeue_after)):
+                if behind and ref.status is RunStatus.QUEUED:
+                    continue
                 try:
                     if self._requeue(ref, now):
                         requeued.append(ref.id)

@@ -193,6 +193,18 @@ def test_the_schedulers_execute_nudge_goes_in_one_round_trip_too(
     assert len(_queued_ids(queue)) == 2
 
 
+def test_the_scheduler_counts_the_nudges_waiting_in_its_queue(queue: str) -> None:
+    # What recover() asks before it nudges queued runs again (see the engine's test).
+    from agentruns import CeleryScheduler
+    from agentruns.celery import app
+
+    scheduler = CeleryScheduler(app)
+    assert scheduler.waiting() == 0  # no such queue yet
+    for n in range(3):
+        scheduler.schedule(f"run-{n}")
+    assert scheduler.waiting() == 3
+
+
 def test_a_callers_batch_sends_many_dispatches_in_one_round_trip(
     queue: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1299,6 +1299,35 @@ def test_recover_requeues_a_queued_run_whose_message_was_lost(
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
 
 
+class _Backlog(ManualScheduler):
+    """Executions' nudges that wait in a queue for a free worker."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.in_line = 0
+
+    def waiting(self) -> int | None:
+        return self.in_line
+
+
+def test_recover_leaves_queued_runs_to_the_nudges_still_in_line(
+    make_engine: EngineFactory,
+) -> None:
+    # Behind a backlog every run queued longer than requeue_after was sent another
+    # execution on every sweep: 400 runs in line made 2,532 messages.
+    scheduler = _Backlog()
+    engine = make_engine(
+        [Agent("a", ScriptedModel([text("ok")]))], scheduler=scheduler, requeue_after=0.2
+    )
+    run = engine.dispatch("a", trigger({}))
+    time.sleep(0.3)
+    scheduler.in_line = 40
+    assert engine.recover() == []
+    scheduler.in_line = 0  # the line is gone and the run is still queued: its nudge was lost
+    assert engine.recover() == [run.id]
+    assert scheduler.scheduled == [run.id, run.id]
+
+
 def test_recover_nudges_only_the_first_queued_run_of_a_key(make_engine: EngineFactory) -> None:
     # Every queued run of a long line was requeued and sent an execution that could
     # claim nothing, on every sweep (50,000 in line: 89 s per recover()).

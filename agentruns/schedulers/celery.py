@@ -54,5 +54,20 @@ class CeleryScheduler:
     def outstanding(self) -> int:
         return 0  # executions run elsewhere; this process has none in flight
 
+    def waiting(self) -> int | None:
+        """Messages in the queue that executions go to (one round trip to the broker)."""
+        from amqp.exceptions import ChannelError
+
+        queue = self.app.amqp.router.route({}, self._task_name, (), {})["queue"]
+        try:
+            with self.app.connection_for_write() as conn:
+                _, count, _ = conn.default_channel.queue_declare(queue=queue.name, passive=True)
+        except ChannelError:
+            return 0  # never declared: nothing was ever sent to it
+        except Exception:
+            log.debug("could not count the messages of queue %s", queue.name, exc_info=True)
+            return None
+        return int(count)
+
     def close(self) -> None:
         pass

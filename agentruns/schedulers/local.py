@@ -52,6 +52,9 @@ class LocalScheduler:
         with self._lock:
             return self._outstanding
 
+    def waiting(self) -> int | None:
+        return self.outstanding()  # executions here wait for a slot, none is lost
+
     def close(self) -> None:
         with self._lock:
             self._closed = True

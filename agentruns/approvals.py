@@ -76,6 +76,7 @@ class Approvals:
         wait = run.waiting
         assert wait is not None and wait.tool_call_id is not None
         pending = dict(engine.store.pending(run.id) or {})
+        denied: str | None = None
         if approved:
             asked_again = (pending.get(wait.tool_call_id) or {}).get("unknown", False)
             # "unknown": what was approved is calling it again (see execution.py).
@@ -95,21 +96,37 @@ class Approvals:
         agent = engine.agents.get(run.agent)
         # The wait step spans the wait: from the pause to the answer.
         asked = wait.expires_at - agent.approval_ttl if agent is not None else now
-        step = NewStep(
-            kind="wait",
-            name=wait.tool_name,
-            input=wait.input,
-            output={"approval_id": wait.approval_id, "approved": approved, "reason": reason},
-            started_at=min(asked, now),
-            finished_at=now,
-        )
+        steps = [
+            NewStep(
+                kind="wait",
+                name=wait.tool_name,
+                input=wait.input,
+                output={"approval_id": wait.approval_id, "approved": approved, "reason": reason},
+                started_at=min(asked, now),
+                finished_at=now,
+            )
+        ]
+        if denied is not None:
+            # The model gets the denial as the call's result: a tool row records it,
+            # as it does every other result of a step (an approved call's, once it runs).
+            error = {"code": "approval_denied", "message": denied}
+            steps.append(
+                NewStep(
+                    kind="tool",
+                    name=wait.tool_name,
+                    input=wait.input,
+                    error=error,
+                    started_at=now,
+                    finished_at=now,
+                )
+            )
         with engine.events.writing(run.id):
             committed = engine.store.commit(
                 run,
                 Guard(status=RunStatus.WAITING, token_id=wait.token_id),
                 # The same step index: the answer joins the checkpoint of the step that asked.
                 Commit(
-                    steps=[step],
+                    steps=steps,
                     pending=pending,
                     checkpoint=(run.steps_used - 1, "tool_use"),
                     status=RunStatus.QUEUED,

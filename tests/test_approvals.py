@@ -117,6 +117,12 @@ def test_deny_reaches_the_model_with_the_reason_and_never_runs_the_tool(
     assert calls == []
     result = model.calls[1][-1]["content"][0]
     assert result["is_error"] is True and "too rude" in result["content"]
+    # The denial is the call's result: a tool row records it (seed 004, "Steps"),
+    # after the wait row that records the answer.
+    steps = engine.steps(run.id)
+    assert [s.kind for s in steps] == ["llm", "wait", "tool", "llm"]
+    assert steps[2].name == "post_comment" and steps[2].input == steps[1].input
+    assert steps[2].error == {"code": "approval_denied", "message": result["content"]}
 
 
 def _tamper(token: str) -> str:

@@ -156,6 +156,13 @@ class Events:
                             listener(event)
                         except Exception as exc:
                             self._on_error(exc)
+                        except (KeyboardInterrupt, SystemExit) as exc:
+                            # In a pool's thread no signal raised it, the listener did
+                            # (argparse's exit): raised on, it would end the execution
+                            # unsettled, its run left running until its lease expired.
+                            if threading.current_thread() is threading.main_thread():
+                                raise
+                            self._on_error(RuntimeError(f"a listener raised {exc!r}"))
                 finally:
                     with self._queues_lock:
                         self._undelivered -= 1

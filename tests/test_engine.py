@@ -36,6 +36,7 @@ from agentruns import (
     tool,
 )
 from agentruns.errors import InvalidCheckpointError
+from agentruns.events import Event
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.runs import Run, utcnow
 from agentruns.schedulers import ManualScheduler
@@ -1244,6 +1245,26 @@ def test_a_drained_thread_run_goes_first_again_and_its_thread_keeps_its_order(
     # r2 continued the thread from r1's whole exchange (4 messages) plus its own.
     assert len(second.checkpoint(r2.id).messages) == 8
     assert r2_done.output == "answered 2 questions"
+
+
+def test_a_listener_that_exits_in_a_pool_thread_reaches_on_error_and_the_run_completes(
+    make_engine: EngineFactory, errors: Errors
+) -> None:
+    # argparse in a listener exits on bad arguments: the SystemExit ended the
+    # execution unsettled, and the run stayed running with its claim until its
+    # lease expired and recover() took it.
+    engine = make_engine([Agent("a", ScriptedModel([text("ok")]))])
+
+    def exits(event: Event) -> None:
+        if event.run is not None and event.run.status is RunStatus.RUNNING:
+            raise SystemExit(2)
+
+    engine.on("run.updated", exits)
+    run = engine.dispatch("a", trigger({}))
+    assert engine.idle(10)
+    done = engine.get_run(run.id)
+    assert done.status is RunStatus.COMPLETED and done.claim is None
+    assert any("a listener raised SystemExit(2)" in str(e) for e in errors)
 
 
 def test_a_closed_engine_refuses_new_work_saying_so_and_still_reads(

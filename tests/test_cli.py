@@ -161,7 +161,9 @@ def test_deny_by_run_mints_the_token_and_tells_the_model(cli: Cli) -> None:
         "approved": False,
         "reason": "too pushy",
     }
-    assert not any(s["kind"] == "tool" and s["name"] == "post_comment" for s in steps)
+    # Never run: its one tool step records the denial the model got as its result.
+    (posted,) = [s for s in steps if s["kind"] == "tool" and s["name"] == "post_comment"]
+    assert posted["error"]["code"] == "approval_denied" and posted["output"] is None
 
 
 def test_a_token_read_from_stdin_stays_out_of_the_command_line(

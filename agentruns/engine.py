@@ -27,6 +27,7 @@ from agentruns.errors import (
     LeaseLostError,
     RunNotFoundError,
     UnknownAgentError,
+    exception_text,
 )
 from agentruns.events import Events, EventType, Listener
 from agentruns.execution import Abort, Execution
@@ -422,7 +423,7 @@ class Engine:
             if run.status is RunStatus.RUNNING and not self._leaves_run_to_recovery(exc):
                 # Failing before its execution could: it would fail again on every
                 # recovery, so the run fails now instead of being left running.
-                error = RunError(code="internal_error", message=f"{type(exc).__name__}: {exc}")
+                error = RunError(code="internal_error", message=exception_text(exc))
                 with contextlib.suppress(Exception):
                     run = self._fail(run, claimed.epoch, error)
         finally:

@@ -33,6 +33,7 @@ from agentruns.errors import (
     FatalToolError,
     InvalidCheckpointError,
     LeaseLostError,
+    exception_text,
 )
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
 from agentruns.runs import (
@@ -87,7 +88,7 @@ class _AgentCodeFailed(Exception):
     to wait out, and would raise again in every recovery."""
 
     def __init__(self, what: str, raised: Exception) -> None:
-        super().__init__(f"{what}: {type(raised).__name__}: {raised}")
+        super().__init__(f"{what}: {exception_text(raised)}")
         self.raised = raised
 
 
@@ -145,7 +146,7 @@ class Execution:
         except Exception as exc:
             self.engine.report(exc)
             if not self.engine.is_infrastructure_error(exc):
-                error = RunError(code="internal_error", message=f"{type(exc).__name__}: {exc}")
+                error = RunError(code="internal_error", message=exception_text(exc))
                 self._settle_quietly(RunStatus.FAILED, error)
         return self.run
 
@@ -292,10 +293,10 @@ class Execution:
             self._check_abort()
             raise
         except ModelError as exc:
-            self._fail_model(str(exc), exc.usage)
+            self._fail_model(exception_text(exc, typed=False), exc.usage)
         except Exception as exc:
             self._check_abort()
-            self._fail_model(f"{type(exc).__name__}: {exc}")
+            self._fail_model(exception_text(exc))
         if self.reason is Abort.LEASE_LOST:
             raise LeaseLostError(self.run.id)
         problem = _malformed(response)
@@ -449,6 +450,7 @@ class Execution:
             outcome = self.caller.call(call, self.run, approved, again)
         except (FatalToolError, EffectOutcomeUnknown) as exc:
             fatal = isinstance(exc, FatalToolError)
+            said = exception_text(exc, typed=False)  # a tool raised it: str() may fail
             code = "fatal_tool_error" if fatal else "effect_outcome_unknown"
             if fatal:
                 now = utcnow()
@@ -457,12 +459,12 @@ class Execution:
                         kind="tool",
                         name=call["name"],
                         input=call["input"],
-                        error={"code": code, "message": storable_text(str(exc))},
+                        error={"code": code, "message": storable_text(said)},
                         started_at=now,
                         finished_at=now,
                     )
                 )
-            message = f"{call['name']}: {exc}" if fatal else str(exc)
+            message = f"{call['name']}: {said}" if fatal else said
             self._settle(
                 RunStatus.FAILED, error=RunError(code=code, message=message), steps=tool_steps
             )
@@ -529,7 +531,7 @@ class Execution:
             self._commit(write)
         except (ValueError, TypeError, RecursionError) as exc:  # UnicodeEncodeError too
             self._fail_model(
-                f"malformed model reply: it cannot be stored ({type(exc).__name__}: {exc})",
+                f"malformed model reply: it cannot be stored ({exception_text(exc)})",
                 response.usage,
             )
 

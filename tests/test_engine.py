@@ -262,6 +262,94 @@ def test_a_tool_error_quoting_undecodable_bytes_goes_to_the_model(
     assert result["content"] == "ValueError: unsupported file type: r\\udce9sum\\udce9.doc"
 
 
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("cannot say")
+
+
+class _Unsaying(Exception):
+    def __str__(self) -> Any:
+        return 5  # str() then raises TypeError
+
+
+class _UnprintableFatal(FatalToolError):
+    def __str__(self) -> str:
+        raise RuntimeError("cannot say")
+
+
+def test_a_tool_exception_that_cannot_say_what_it_is_is_still_a_tool_error(
+    make_engine: EngineFactory,
+) -> None:
+    # Formatting it raised again: the whole run failed internal_error, and an effect
+    # tool's intent was left without its result.
+    @tool
+    def plain() -> str:
+        """Plain."""
+        raise _Unsaying()
+
+    @tool(effect=True)
+    def pay() -> str:
+        """Pay."""
+        raise _Unprintable()
+
+    def ask(arguments: dict[str, Any], ctx: ToolContext) -> bool:
+        raise _Unprintable()
+
+    @tool(needs_approval=ask)
+    def gated() -> str:
+        """Gated."""
+        return "never"
+
+    model = ScriptedModel(
+        [[tool_use("plain", {}), tool_use("pay", {}), tool_use("gated", {})], text("ok")]
+    )
+    engine = make_engine([Agent("a", model, tools=[plain, pay, gated])])
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.COMPLETED, run.error
+    results = model.calls[1][-1]["content"]
+    assert [(r["content"], r["is_error"]) for r in results] == [
+        ("<unprintable _Unsaying>", True),
+        ("<unprintable _Unprintable>", True),
+        ("<unprintable _Unprintable>", True),
+    ]
+    (effect,) = engine.store.effects(run.id).values()
+    assert effect.done and effect.is_error and effect.result == "<unprintable _Unprintable>"
+
+
+def test_agent_code_that_cannot_say_what_it_raised_fails_the_run_with_its_own_code(
+    make_engine: EngineFactory,
+) -> None:
+    @tool
+    def explode() -> str:
+        """Explode."""
+        raise _UnprintableFatal()
+
+    class Broken:
+        name = "broken"
+
+        def complete(self, request: Any, signal: threading.Event) -> Any:
+            raise _Unprintable()
+
+    def prompt(ctx: RunContext) -> str:
+        raise _Unprintable()
+
+    engine = make_engine(
+        [
+            Agent("fatal", ScriptedModel([tool_use("explode", {})]), tools=[explode]),
+            Agent("model", Broken()),  # type: ignore[arg-type]
+            Agent("prompt", ScriptedModel([text("never")]), instructions=prompt),
+        ]
+    )
+    for agent, code, message in (
+        ("fatal", "fatal_tool_error", "explode: <unprintable _UnprintableFatal>"),
+        ("model", "model_error", "<unprintable _Unprintable>"),
+        ("prompt", "internal_error", "instructions: <unprintable _Unprintable>"),
+    ):
+        run = _run_to_end(engine, agent)
+        assert run.status is RunStatus.FAILED
+        assert run.error is not None and (run.error.code, run.error.message) == (code, message)
+
+
 def test_a_tool_that_exits_in_a_pool_thread_is_a_tool_error(make_engine: EngineFactory) -> None:
     # argparse exits on bad arguments. Raised on in an execution's thread (Celery's
     # threads pool, LocalScheduler), it ended the thread's task unfinished: the run

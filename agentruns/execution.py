@@ -43,6 +43,7 @@ from agentruns.runs import (
     RunStatus,
     Usage,
     WaitPoint,
+    json_problem,
     storable_text,
     utcnow,
 )
@@ -687,6 +688,11 @@ def _malformed(response: ModelResponse) -> str | None:
                 return "a tool_use name holds a NUL character"
             if not isinstance(block.get("input"), dict):
                 return f"the input of tool_use {block['id']} is not an object"
+            # Stored, an input nested too deep would fail every read of its step (and
+            # the pause of a call that needs approval, and its thread's next run).
+            problem = json_problem(block["input"])
+            if problem is not None:
+                return f"the input of tool_use {block['id']} cannot be stored: {problem}"
     if all(_blank(block) for block in response.content):
         # Stored, it would make the transcript one the provider refuses once anything
         # follows it (the next run of a thread, say).

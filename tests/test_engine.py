@@ -434,7 +434,8 @@ def test_calls_that_would_wait_for_their_own_execution_do_not(make_engine: Engin
 
 def test_a_deeply_nested_tool_input_reaches_the_tool(make_engine: EngineFactory) -> None:
     # Copied with deepcopy (which recurses in Python), an input 250 levels deep
-    # failed the run with a RecursionError; the store had taken it.
+    # failed the run with a RecursionError; the store had taken it. (254 levels is
+    # as deep as a reply may nest an input.)
     seen: list[int] = []
 
     @tool
@@ -447,12 +448,12 @@ def test_a_deeply_nested_tool_input_reaches_the_tool(make_engine: EngineFactory)
         return str(depth)
 
     tree: dict[str, Any] = {}
-    for _ in range(300):
+    for _ in range(126):
         tree = {"x": [tree]}
     model = ScriptedModel([tool_use("walk", {"tree": tree}), text("ok")])
     run = _run_to_end(make_engine([Agent("a", model, tools=[walk])]))
     assert run.status is RunStatus.COMPLETED, run.error
-    assert seen == [300]
+    assert seen == [126]
 
 
 def test_a_tool_changing_its_input_changes_no_record_of_the_call(
@@ -503,14 +504,8 @@ def test_a_write_larger_than_postgres_takes_fails_the_run_once(
 def test_a_reply_no_store_can_keep_fails_as_the_models_error(make_engine: EngineFactory) -> None:
     # It failed internal_error with its tokens lost. An unknown tool's name longer
     # than the step row's column failed the run on Postgres, not the call.
-    deep: Any = "bottom"
-    for _ in range(2_000):
-        deep = [deep]
     usage = Usage(input_tokens=10, output_tokens=5)
-    replies = {
-        "surrogate": [text("caf\udce9")],
-        "deep": [tool_use("search_issues", {"query": deep})],
-    }
+    replies = {"surrogate": [text("caf\udce9")]}
     agents = [
         Agent(name, ScriptedModel(script, usage=usage), tools=[search_issues])
         for name, script in replies.items()
@@ -702,6 +697,63 @@ def test_malformed_model_reply_fails_with_model_error_keeping_the_transcript(
         assert checkpoint is not None and len(checkpoint.messages) == 3
         # The refused reply's tokens were spent all the same.
         assert run.usage == Usage(input_tokens=20, output_tokens=10), reply
+
+
+def _nested(levels: int) -> Any:
+    value: Any = "bottom"
+    for _ in range(levels - 1):
+        value = [value]
+    return {"x": value}
+
+
+@pytest.mark.parametrize("levels", [255, 975, 3_000])
+def test_a_tool_input_nested_deeper_than_a_payload_may_be_is_a_malformed_reply(
+    make_engine: EngineFactory, levels: int
+) -> None:
+    # Stored, it failed every read of its step (`agentruns show` too), a pause for
+    # its approval (internal_error) and, from ~975 levels, every next run of its thread.
+    @tool(needs_approval=True)
+    def post(x: Any) -> str:
+        """Post it."""
+        return "posted"
+
+    model = ScriptedModel(
+        [tool_use("search_issues", {"query": "x"}), tool_use("post", _nested(levels))],
+        usage=Usage(input_tokens=10, output_tokens=5),
+    )
+    engine = make_engine([Agent("a", model, tools=[search_issues, post])])
+    with pytest.raises(InvalidTriggerError):  # the bound a trigger's payload is held to
+        engine.dispatch("a", trigger(_nested(levels)))
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None and run.error.code == "model_error", run.error
+    assert run.error.message.startswith("malformed model reply: the input of tool_use")
+    assert run.usage == Usage(input_tokens=20, output_tokens=10)
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None and len(checkpoint.messages) == 3  # nothing of the reply
+    assert [s.kind for s in engine.steps(run.id)] == ["llm", "tool"]
+
+
+def test_a_tool_input_as_deep_as_a_payload_may_be_is_stored_read_and_approved(
+    make_engine: EngineFactory,
+) -> None:
+    @tool(needs_approval=True)
+    def post(x: Any) -> str:
+        """Post it."""
+        return "posted"
+
+    deepest = _nested(254)
+    model = ScriptedModel([tool_use("post", deepest), text("Posted.")])
+    engine = make_engine([Agent("a", model, tools=[post])])
+    assert engine.dispatch("a", trigger(deepest)).trigger.payload == deepest
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.WAITING, run.error
+    assert run.waiting is not None and run.waiting.input == deepest
+    engine.resume(engine.approval_token(run.id), approved=True)
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    for step in engine.steps(run.id):  # what `agentruns show --json` prints
+        step.model_dump_json()
 
 
 def test_a_reply_of_a_server_tools_call_and_result_alone_completes(

@@ -42,6 +42,7 @@ from agentruns.runs import (
     RunStatus,
     Step,
     TriggerEnvelope,
+    is_storable_key,
     is_utf8,
     utcnow,
 )
@@ -634,8 +635,8 @@ class Engine:
     ) -> list[Run]:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
             raise ValueError(f"limit must be a whole number from 1 to {MAX_LIMIT}, not {limit!r}")
-        if agent is not None and not is_utf8(agent):
-            return []  # no agent has such a name: dispatch refuses it
+        if agent is not None and not is_storable_key(agent):
+            return []  # no agent can have such a name
         return self.store.list_runs(RunStatus(status) if status else None, agent, limit)
 
     def steps(self, run_id: str) -> list[Step]:
@@ -680,6 +681,6 @@ MAX_LIMIT = 1_000_000_000
 
 def _run_id(run_id: str) -> str:
     """``run_id``, or RunNotFoundError for what cannot be any run's id."""
-    if not isinstance(run_id, str) or not is_utf8(run_id):
+    if not isinstance(run_id, str) or not is_storable_key(run_id):
         raise RunNotFoundError(str(run_id))
     return run_id

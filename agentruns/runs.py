@@ -113,6 +113,12 @@ def is_utf8(text: str) -> bool:
     return True
 
 
+def is_storable_key(text: str) -> bool:
+    """Can every store hold ``text`` in a key column (an id, a name)? UTF-8, and no
+    NUL, which Postgres text cannot hold (SQLite can: one answer for both)."""
+    return "\x00" not in text and is_utf8(text)
+
+
 def storable_text(text: str) -> str:
     """``text`` as UTF-8 can hold it: a lone surrogate (from undecodable bytes, e.g. a
     file name in an exception's message) becomes its ``\\udcxx`` escape."""

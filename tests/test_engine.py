@@ -208,6 +208,23 @@ def test_dispatch_refuses_what_no_store_can_keep_storing_nothing(
     assert engine.dispatch("triage", trigger(fine)).trigger.payload == fine
 
 
+def test_a_run_id_or_agent_name_holding_a_nul_is_not_found_on_either_store(
+    make_any_engine: EngineFactory,
+) -> None:
+    # On Postgres, which cannot hold NUL in text, the reads raised a DataError and
+    # execute() a ValueError; SQLite said the run was not found.
+    engine = make_any_engine([Agent("a", ScriptedModel([text("ok")]))])
+    run = engine.dispatch("a", trigger({}))
+    assert engine.idle(10)
+    reads = (engine.get_run, engine.steps, engine.checkpoint, engine.cancel, engine.execute)
+    for call in (*reads, engine.approval_token):
+        for run_id in ("a\x00b", run.id + "\x00"):
+            with pytest.raises(RunNotFoundError):
+                call(run_id)
+    assert engine.list_runs(agent="a\x00") == []
+    assert [r.id for r in engine.list_runs(agent="a")] == [run.id]
+
+
 def _run_to_end(engine: Any, agent: str = "a", **kwargs: Any) -> Any:
     run = engine.dispatch(agent, trigger({}), **kwargs)
     assert engine.idle(10)

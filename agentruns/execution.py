@@ -43,11 +43,13 @@ from agentruns.runs import (
     RunStatus,
     Usage,
     WaitPoint,
+    is_storable_key,
     json_problem,
     storable_text,
     utcnow,
 )
 from agentruns.store.base import Claimed, Commit, Committed, Guard, NewStep, Store
+from agentruns.store.schema import TOOL_CALL_ID_LENGTH
 from agentruns.toolcalls import EffectOutcomeUnknown, Outcome, ToolCaller, Wait
 from agentruns.tools import StateHolder, Tool
 from agentruns.tools import state_tools as make_state_tools
@@ -679,6 +681,11 @@ def _malformed(response: ModelResponse) -> str | None:
         if block["type"] == "tool_use":
             if not isinstance(block.get("id"), str) or not block["id"]:
                 return "a tool_use block has no id"
+            # An effect tool's record is keyed by it: every store must hold it as it is.
+            if len(block["id"]) > TOOL_CALL_ID_LENGTH:
+                return f"a tool_use id is longer than {TOOL_CALL_ID_LENGTH} characters"
+            if not is_storable_key(block["id"]):
+                return f"a tool_use id holds a NUL character or is not UTF-8: {block['id']!r}"
             if block["id"] in seen:
                 return f"tool_use id {block['id']} is repeated"
             seen.add(block["id"])

@@ -773,6 +773,43 @@ def test_a_tool_input_as_deep_as_a_payload_may_be_is_stored_read_and_approved(
         step.model_dump_json()
 
 
+def test_a_tool_call_id_no_store_can_key_an_effect_by_is_a_malformed_reply_on_both(
+    make_any_engine: EngineFactory,
+) -> None:
+    # An effect's record is keyed by the call's id (200 characters, no NUL): on
+    # Postgres the run failed internal_error, while SQLite took it.
+    calls: list[str] = []
+
+    @tool(effect=True)
+    def pay() -> str:
+        """Pay."""
+        calls.append("pay")
+        return "paid"
+
+    @tool
+    def look() -> str:
+        """Look."""
+        calls.append("look")
+        return "seen"
+
+    engine = make_any_engine([])
+    for name in ("pay", "look"):
+        for call_id, fine in (("i" * 200, True), ("i" * 201, False), ("a\x00b", False)):
+            calls.clear()
+            model = ScriptedModel([tool_use(name, {}, id=call_id), text("done")])
+            engine.register(Agent(f"{name}-{len(call_id)}", model, tools=[pay, look]))
+            run = _run_to_end(engine, f"{name}-{len(call_id)}")
+            if fine:
+                assert run.status is RunStatus.COMPLETED, run.error
+                assert calls == [name]
+                continue
+            assert run.status is RunStatus.FAILED, run
+            assert run.error is not None and run.error.code == "model_error", run.error
+            assert run.error.message.startswith("malformed model reply: a tool_use id")
+            assert calls == [] and engine.steps(run.id) == []
+            assert engine.checkpoint(run.id) is None  # nothing of the reply was written
+
+
 def test_a_reply_of_a_server_tools_call_and_result_alone_completes(
     make_engine: EngineFactory,
 ) -> None:

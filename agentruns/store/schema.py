@@ -23,6 +23,9 @@ RunKey = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 # The longest idempotency key, concurrency key or thread name, in characters.
 KEY_LENGTH = 500
 
+# The longest tool call id (a model's; the Messages API's are about 30 characters).
+TOOL_CALL_ID_LENGTH = 200
+
 runs = sa.Table(
     "agentruns_runs",
     metadata,
@@ -114,7 +117,7 @@ effects = sa.Table(
     "agentruns_effects",
     metadata,
     sa.Column("run_id", sa.String(64), primary_key=True),
-    sa.Column("tool_call_id", sa.String(200), primary_key=True),
+    sa.Column("tool_call_id", sa.String(TOOL_CALL_ID_LENGTH), primary_key=True),
     sa.Column("tool_name", sa.String(200), nullable=False),
     sa.Column("idempotency_key", sa.String(300), nullable=False),
     # "started" once the intent is recorded, "done" once the result is.

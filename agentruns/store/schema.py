@@ -23,6 +23,9 @@ RunKey = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 # The longest idempotency key, concurrency key or thread name, in characters.
 KEY_LENGTH = 500
 
+# The longest agent name, in characters.
+AGENT_NAME_LENGTH = 200
+
 # The longest tool call id (a model's; the Messages API's are about 30 characters).
 TOOL_CALL_ID_LENGTH = 200
 
@@ -31,7 +34,7 @@ runs = sa.Table(
     metadata,
     sa.Column("key", RunKey, primary_key=True, autoincrement=True),
     sa.Column("id", sa.String(64), nullable=False, unique=True),
-    sa.Column("agent", sa.String(200), nullable=False),
+    sa.Column("agent", sa.String(AGENT_NAME_LENGTH), nullable=False),
     sa.Column("status", sa.String(16), nullable=False),
     sa.Column("trigger", sa.JSON, nullable=False),
     sa.Column("idempotency_key", sa.String(KEY_LENGTH), unique=True),

@@ -259,6 +259,9 @@ class Engine:
         if found is None:
             raise UnknownAgentError(name)
         envelope = _envelope(trigger)
+        if concurrency_key is None:
+            # The agent's key is checked as one given to dispatch is: "" refused too.
+            concurrency_key = found.key_for(envelope)
         for what, text in (
             ("idempotency_key", idempotency_key),
             ("concurrency_key", concurrency_key),
@@ -273,9 +276,7 @@ class Engine:
             ("thread", thread),
         ):
             if text == "":  # an unset variable, likely: it would make every run one
-                raise InvalidTriggerError(f"{what} must not be empty (leave it out for none)")
-        if concurrency_key is None:
-            concurrency_key = found.key_for(envelope)
+                raise InvalidTriggerError(f"{what} must not be empty (None for none)")
         if concurrency_key is None and thread is not None:
             concurrency_key = f"{_THREAD_KEY}{thread}"
         if idempotency_key is None:

@@ -952,6 +952,30 @@ def test_an_agents_concurrency_key_callable_is_checked(make_engine: EngineFactor
     assert len(engine.list_runs()) == 1
 
 
+def test_an_agents_concurrency_key_is_held_to_the_checks_of_a_dispatched_one(
+    make_engine: EngineFactory,
+) -> None:
+    # "" was stored as a key, so every run without an issue queued behind the others;
+    # a lone surrogate raised a bare UnicodeEncodeError.
+    def by_issue(t: TriggerEnvelope) -> Any:
+        return t.keys.get("issue", "")
+
+    agents = [
+        Agent("a", ScriptedModel([text("ok")]), concurrency_key=by_issue),
+        Agent("b", ScriptedModel([text("ok")]), concurrency_key=lambda t: "\ud800"),
+        Agent("c", ScriptedModel([text("ok")]), concurrency_key=lambda t: "order\x00A"),
+    ]
+    engine = make_engine(agents)
+    for agent, refused in (("a", "must not be empty"), ("b", "UTF-8"), ("c", "NUL")):
+        with pytest.raises(InvalidTriggerError, match=f"concurrency_key .*{refused}"):
+            engine.dispatch(agent, trigger({}))
+    assert engine.list_runs() == []
+    run = engine.dispatch("a", trigger({}, keys={"issue": "7"}))
+    assert run.concurrency_key == "7"
+    # One given to dispatch is the run's, whatever the agent's would be.
+    assert engine.dispatch("b", trigger({}), concurrency_key="own").concurrency_key == "own"
+
+
 def test_runs_of_one_concurrency_key_never_overlap(make_engine: EngineFactory) -> None:
     lock = threading.Lock()
     inside: list[int] = [0]

@@ -49,7 +49,7 @@ from agentruns.runs import (
     utcnow,
 )
 from agentruns.store.base import Claimed, Commit, Committed, Guard, NewStep, Store
-from agentruns.store.schema import TOOL_CALL_ID_LENGTH
+from agentruns.store.schema import MOST_TOKENS, TOOL_CALL_ID_LENGTH
 from agentruns.toolcalls import EffectOutcomeUnknown, Outcome, ToolCaller, Wait
 from agentruns.tools import StateHolder, Tool
 from agentruns.tools import state_tools as make_state_tools
@@ -302,13 +302,16 @@ class Execution:
             self._fail_model(exception_text(exc))
         if self.reason is Abort.LEASE_LOST:
             raise LeaseLostError(self.run.id)
-        problem = _malformed(response)
+        problem = _malformed(response) or _uncountable(self.run.usage, _usage_of(response))
         if problem:
             self._fail_model(f"malformed model reply: {problem}", _usage_of(response))
         return _without_blank_text(response)
 
     def _fail_model(self, message: str, usage: Usage | None = None) -> None:
-        """Fail the run with ``model_error``; the tokens of a refused reply still count."""
+        """Fail the run with ``model_error``; the tokens of a refused reply still count,
+        unless they are what is wrong with it."""
+        if _uncountable(self.run.usage, usage):
+            usage = None
         error = RunError(code="model_error", message=message)
         self._settle(RunStatus.FAILED, error=error, usage=usage)
 
@@ -655,6 +658,17 @@ def _usage_of(response: ModelResponse) -> Usage | None:
     return response.usage if isinstance(response.usage, Usage) else None
 
 
+def _uncountable(spent: Usage, usage: Usage | None) -> str | None:
+    """Why a reply's token counts cannot be added to the run's: a count below zero,
+    or a total past what the store's counters hold."""
+    if usage is None:
+        return None
+    for (kind, count), (_, total) in zip(usage, spent + usage, strict=True):
+        if count < 0 or total > MOST_TOKENS:
+            return f"it counts {count} {kind}"
+    return None
+
+
 def _blank(block: dict[str, Any]) -> bool:
     # The Messages API refuses a text block of whitespace in a request.
     return block["type"] == "text" and not block["text"].strip()
@@ -672,10 +686,19 @@ def _without_blank_text(response: ModelResponse) -> ModelResponse:
 def _malformed(response: ModelResponse) -> str | None:
     if not isinstance(response.content, list):
         return "content is not a list of blocks"
+    for what, said in (("model name", response.model), ("stop_reason", response.stop_reason)):
+        if isinstance(said, str) and not is_storable_key(said):
+            return f"its {what} holds a NUL character or is not UTF-8: {said[:200]!r}"
     seen: set[str] = set()
     for block in response.content:
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             return f"not a content block: {block!r}"
+        for key, value in block.items():
+            # As a trigger's payload is: no NaN (Postgres refuses it, SQLite took it),
+            # nothing nested deeper than a read of its step or wait point can return.
+            problem = json_problem(value)
+            if problem is not None:
+                return f"it cannot be stored (the {key} of a {block['type']} block: {problem})"
         if block["type"] == "text" and not isinstance(block.get("text"), str):
             return "a text block has no text"
         if block["type"] == "tool_use":
@@ -695,11 +718,6 @@ def _malformed(response: ModelResponse) -> str | None:
                 return "a tool_use name holds a NUL character"
             if not isinstance(block.get("input"), dict):
                 return f"the input of tool_use {block['id']} is not an object"
-            # Stored, an input nested too deep would fail every read of its step (and
-            # the pause of a call that needs approval, and its thread's next run).
-            problem = json_problem(block["input"])
-            if problem is not None:
-                return f"the input of tool_use {block['id']} cannot be stored: {problem}"
     if all(_blank(block) for block in response.content):
         # Stored, it would make the transcript one the provider refuses once anything
         # follows it (the next run of a thread, say).

@@ -37,6 +37,7 @@ from agentruns import (
 )
 from agentruns.errors import InvalidCheckpointError
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.models.base import ModelResponse
 from agentruns.runs import Run, utcnow
 from agentruns.schedulers import ManualScheduler
 from tests.conftest import (
@@ -744,7 +745,9 @@ def test_a_tool_input_nested_deeper_than_a_payload_may_be_is_a_malformed_reply(
     run = _run_to_end(engine)
     assert run.status is RunStatus.FAILED
     assert run.error is not None and run.error.code == "model_error", run.error
-    assert run.error.message.startswith("malformed model reply: the input of tool_use")
+    assert run.error.message.startswith(
+        "malformed model reply: it cannot be stored (the input of a tool_use block"
+    )
     assert run.usage == Usage(input_tokens=20, output_tokens=10)
     checkpoint = engine.checkpoint(run.id)
     assert checkpoint is not None and len(checkpoint.messages) == 3  # nothing of the reply
@@ -808,6 +811,39 @@ def test_a_tool_call_id_no_store_can_key_an_effect_by_is_a_malformed_reply_on_bo
             assert run.error.message.startswith("malformed model reply: a tool_use id")
             assert calls == [] and engine.steps(run.id) == []
             assert engine.checkpoint(run.id) is None  # nothing of the reply was written
+
+
+def test_a_reply_one_store_would_refuse_is_a_malformed_reply_on_both(
+    make_any_engine: EngineFactory,
+) -> None:
+    # Postgres refused NaN in JSON, token counts past a bigint and a NUL in the model's
+    # name (internal_error); SQLite kept what it could.
+    usage = Usage(input_tokens=10, output_tokens=5)
+
+    def reply(**fields: Any) -> ModelResponse:
+        return ModelResponse(**{"content": [text("ok")], "stop_reason": "end_turn", **fields})
+
+    # With what the run counts once it is refused: the reply's tokens too, unless
+    # they are what is wrong with it.
+    replies: list[tuple[Any, Usage]] = [
+        (tool_use("search_issues", {"query": "x", "limit": float("nan")}), usage + usage),
+        ([{"type": "weird", "data": [float("inf")]}, text("ok")], usage + usage),
+        (reply(model="m\x00", usage=usage), usage + usage),
+        (reply(stop_reason="end\x00turn", usage=usage), usage + usage),
+        (reply(usage=Usage(input_tokens=2**70)), usage),
+        (reply(usage=Usage(output_tokens=-5)), usage),
+    ]
+    engine = make_any_engine([])
+    for i, (bad, counted) in enumerate(replies):
+        model = ScriptedModel([tool_use("search_issues", {"query": "x"}), bad], usage=usage)
+        engine.register(Agent(f"a{i}", model, tools=[search_issues]))
+        run = _run_to_end(engine, f"a{i}")
+        assert run.status is RunStatus.FAILED, bad
+        assert run.error is not None and run.error.code == "model_error", run.error
+        assert run.error.message.startswith("malformed model reply: "), run.error
+        checkpoint = engine.checkpoint(run.id)
+        assert checkpoint is not None and len(checkpoint.messages) == 3
+        assert run.usage == counted, bad
 
 
 def test_a_reply_of_a_server_tools_call_and_result_alone_completes(

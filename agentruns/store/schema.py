@@ -23,6 +23,9 @@ RunKey = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 # The longest idempotency key, concurrency key or thread name, in characters.
 KEY_LENGTH = 500
 
+# The most tokens of a kind a run's counter holds (a bigint, on SQLite too).
+MOST_TOKENS = 2**63 - 1
+
 # The longest agent name, in characters.
 AGENT_NAME_LENGTH = 200
 

@@ -702,22 +702,9 @@ def _malformed(response: ModelResponse) -> str | None:
         if block["type"] == "text" and not isinstance(block.get("text"), str):
             return "a text block has no text"
         if block["type"] == "tool_use":
-            if not isinstance(block.get("id"), str) or not block["id"]:
-                return "a tool_use block has no id"
-            # An effect tool's record is keyed by it: every store must hold it as it is.
-            if len(block["id"]) > TOOL_CALL_ID_LENGTH:
-                return f"a tool_use id is longer than {TOOL_CALL_ID_LENGTH} characters"
-            if not is_storable_key(block["id"]):
-                return f"a tool_use id holds a NUL character or is not UTF-8: {block['id']!r}"
-            if block["id"] in seen:
-                return f"tool_use id {block['id']} is repeated"
-            seen.add(block["id"])
-            if not isinstance(block.get("name"), str) or not block["name"]:
-                return "a tool_use block has no name"
-            if "\x00" in block["name"]:
-                return "a tool_use name holds a NUL character"
-            if not isinstance(block.get("input"), dict):
-                return f"the input of tool_use {block['id']} is not an object"
+            problem = _malformed_call(block, seen)
+            if problem is not None:
+                return problem
     if all(_blank(block) for block in response.content):
         # Stored, it would make the transcript one the provider refuses once anything
         # follows it (the next run of a thread, say).
@@ -725,6 +712,27 @@ def _malformed(response: ModelResponse) -> str | None:
     if all(_blank(b) or b["type"] in _THINKING for b in response.content):
         # The run would complete with no answer as its output.
         return f"the reply holds no answer, only thinking (stop_reason={response.stop_reason})"
+    return None
+
+
+def _malformed_call(block: dict[str, Any], seen: set[str]) -> str | None:
+    """What is wrong with a tool_use block, given the ids of the reply's calls before it."""
+    if not isinstance(block.get("id"), str) or not block["id"]:
+        return "a tool_use block has no id"
+    # An effect tool's record is keyed by it: every store must hold it as it is.
+    if len(block["id"]) > TOOL_CALL_ID_LENGTH:
+        return f"a tool_use id is longer than {TOOL_CALL_ID_LENGTH} characters"
+    if not is_storable_key(block["id"]):
+        return f"a tool_use id holds a NUL character or is not UTF-8: {block['id']!r}"
+    if block["id"] in seen:
+        return f"tool_use id {block['id']} is repeated"
+    seen.add(block["id"])
+    if not isinstance(block.get("name"), str) or not block["name"]:
+        return "a tool_use block has no name"
+    if "\x00" in block["name"]:
+        return "a tool_use name holds a NUL character"
+    if not isinstance(block.get("input"), dict):
+        return f"the input of tool_use {block['id']} is not an object"
     return None
 
 

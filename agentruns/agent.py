@@ -12,6 +12,7 @@ from pydantic import BaseModel
 
 from agentruns.models.base import Model
 from agentruns.runs import Budget, Run, TriggerEnvelope, WaitPoint
+from agentruns.store.schema import AGENT_NAME_LENGTH
 from agentruns.tools import Tool, as_tool
 
 # The longest approval wait an agent may set: about a century, a date for any run.
@@ -45,8 +46,19 @@ class Agent:
         concurrency_key: str | Callable[[TriggerEnvelope], str | None] | None = None,
         state: type[BaseModel] | None = None,
     ) -> None:
-        if not name:
-            raise ValueError("an agent needs a name")
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"an agent needs a name (text), not {name!r}")
+        # Checked here: every store must hold it, and hold it alike (Postgres refused
+        # what SQLite kept), and the CLI shows it as it is.
+        if len(name) > AGENT_NAME_LENGTH:
+            raise ValueError(
+                f"an agent's name is at most {AGENT_NAME_LENGTH} characters, not {len(name)}"
+            )
+        if not name.isprintable() or name.strip() != name:
+            # (Not printable: control characters, NUL, lone surrogates from undecodable bytes.)
+            raise ValueError(
+                f"an agent's name must be printable text with no space around it, not {name!r}"
+            )
         self.name = name
         self.model = model
         self.instructions = instructions

@@ -27,6 +27,7 @@ from agentruns.errors import (
     LeaseLostError,
     RunNotFoundError,
     UnknownAgentError,
+    exception_text,
 )
 from agentruns.events import Events, EventType, Listener
 from agentruns.execution import Abort, Execution
@@ -41,6 +42,7 @@ from agentruns.runs import (
     RunStatus,
     Step,
     TriggerEnvelope,
+    is_storable_key,
     is_utf8,
     utcnow,
 )
@@ -266,6 +268,9 @@ class Engine:
         if found is None:
             raise UnknownAgentError(name)
         envelope = _envelope(trigger)
+        if concurrency_key is None:
+            # The agent's key is checked as one given to dispatch is: "" refused too.
+            concurrency_key = found.key_for(envelope)
         for what, text in (
             ("idempotency_key", idempotency_key),
             ("concurrency_key", concurrency_key),
@@ -280,9 +285,7 @@ class Engine:
             ("thread", thread),
         ):
             if text == "":  # an unset variable, likely: it would make every run one
-                raise InvalidTriggerError(f"{what} must not be empty (leave it out for none)")
-        if concurrency_key is None:
-            concurrency_key = found.key_for(envelope)
+                raise InvalidTriggerError(f"{what} must not be empty (None for none)")
         if concurrency_key is None and thread is not None:
             concurrency_key = f"{_THREAD_KEY}{thread}"
         if idempotency_key is None:
@@ -441,7 +444,7 @@ class Engine:
             if run.status is RunStatus.RUNNING and not self._leaves_run_to_recovery(exc):
                 # Failing before its execution could: it would fail again on every
                 # recovery, so the run fails now instead of being left running.
-                error = RunError(code="internal_error", message=f"{type(exc).__name__}: {exc}")
+                error = RunError(code="internal_error", message=exception_text(exc))
                 with contextlib.suppress(Exception):
                     run = self._fail(run, claimed.epoch, error)
         finally:
@@ -672,8 +675,8 @@ class Engine:
     ) -> list[Run]:
         if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
             raise ValueError(f"limit must be a whole number from 1 to {MAX_LIMIT}, not {limit!r}")
-        if agent is not None and not is_utf8(agent):
-            return []  # no agent has such a name: dispatch refuses it
+        if agent is not None and not is_storable_key(agent):
+            return []  # no agent can have such a name
         return self.store.list_runs(RunStatus(status) if status else None, agent, limit)
 
     def steps(self, run_id: str) -> list[Step]:
@@ -718,6 +721,6 @@ MAX_LIMIT = 1_000_000_000
 
 def _run_id(run_id: str) -> str:
     """``run_id``, or RunNotFoundError for what cannot be any run's id."""
-    if not isinstance(run_id, str) or not is_utf8(run_id):
+    if not isinstance(run_id, str) or not is_storable_key(run_id):
         raise RunNotFoundError(str(run_id))
     return run_id

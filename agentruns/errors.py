@@ -7,6 +7,18 @@ from typing import Literal
 TokenProblem = Literal["malformed", "bad_signature", "expired", "stale"]
 
 
+def exception_text(exc: BaseException, *, typed: bool = True) -> str:
+    """What an exception says, after its type's name (``"ValueError: odd"``) unless not
+    ``typed``. Code that is not agentruns' (a tool, a model, a notifier) may raise one
+    whose ``str()`` raises or returns no text: that one is ``<unprintable ValueError>``."""
+    name = type(exc).__name__
+    try:
+        said = str(exc)
+    except Exception:
+        return f"<unprintable {name}>"
+    return f"{name}: {said}" if typed else said
+
+
 class AgentrunsError(Exception):
     """Base class of every error agentruns raises on purpose."""
 
@@ -65,4 +77,4 @@ class NotifierError(AgentrunsError):
 
     def __init__(self, run_id: str, exc: BaseException) -> None:
         self.run_id = run_id
-        super().__init__(f"the notifier of run {run_id} failed: {type(exc).__name__}: {exc}")
+        super().__init__(f"the notifier of run {run_id} failed: {exception_text(exc)}")

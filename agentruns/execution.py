@@ -33,6 +33,7 @@ from agentruns.errors import (
     FatalToolError,
     InvalidCheckpointError,
     LeaseLostError,
+    exception_text,
 )
 from agentruns.events import Events
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
@@ -43,10 +44,13 @@ from agentruns.runs import (
     RunStatus,
     Usage,
     WaitPoint,
+    is_storable_key,
+    json_problem,
     storable_text,
     utcnow,
 )
 from agentruns.store.base import Claimed, Commit, Committed, Guard, NewStep, Store
+from agentruns.store.schema import MOST_TOKENS, TOOL_CALL_ID_LENGTH
 from agentruns.toolcalls import EffectOutcomeUnknown, Outcome, ToolCaller, Wait
 from agentruns.tools import StateHolder, Tool
 from agentruns.tools import state_tools as make_state_tools
@@ -89,7 +93,7 @@ class _AgentCodeFailed(Exception):
     to wait out, and would raise again in every recovery."""
 
     def __init__(self, what: str, raised: Exception) -> None:
-        super().__init__(f"{what}: {type(raised).__name__}: {raised}")
+        super().__init__(f"{what}: {exception_text(raised)}")
         self.raised = raised
 
 
@@ -147,7 +151,7 @@ class Execution:
         except Exception as exc:
             self.engine.report(exc)
             if not self.engine.is_infrastructure_error(exc):
-                error = RunError(code="internal_error", message=f"{type(exc).__name__}: {exc}")
+                error = RunError(code="internal_error", message=exception_text(exc))
                 self._settle_quietly(RunStatus.FAILED, error)
         return self.run
 
@@ -294,19 +298,22 @@ class Execution:
             self._check_abort()
             raise
         except ModelError as exc:
-            self._fail_model(str(exc), exc.usage)
+            self._fail_model(exception_text(exc, typed=False), exc.usage)
         except Exception as exc:
             self._check_abort()
-            self._fail_model(f"{type(exc).__name__}: {exc}")
+            self._fail_model(exception_text(exc))
         if self.reason is Abort.LEASE_LOST:
             raise LeaseLostError(self.run.id)
-        problem = _malformed(response)
+        problem = _malformed(response) or _uncountable(self.run.usage, _usage_of(response))
         if problem:
             self._fail_model(f"malformed model reply: {problem}", _usage_of(response))
         return _without_blank_text(response)
 
     def _fail_model(self, message: str, usage: Usage | None = None) -> None:
-        """Fail the run with ``model_error``; the tokens of a refused reply still count."""
+        """Fail the run with ``model_error``; the tokens of a refused reply still count,
+        unless they are what is wrong with it."""
+        if _uncountable(self.run.usage, usage):
+            usage = None
         error = RunError(code="model_error", message=message)
         self._settle(RunStatus.FAILED, error=error, usage=usage)
 
@@ -451,6 +458,7 @@ class Execution:
             outcome = self.caller.call(call, self.run, approved, again)
         except (FatalToolError, EffectOutcomeUnknown) as exc:
             fatal = isinstance(exc, FatalToolError)
+            said = exception_text(exc, typed=False)  # a tool raised it: str() may fail
             code = "fatal_tool_error" if fatal else "effect_outcome_unknown"
             if fatal:
                 now = utcnow()
@@ -459,12 +467,12 @@ class Execution:
                         kind="tool",
                         name=call["name"],
                         input=call["input"],
-                        error={"code": code, "message": storable_text(str(exc))},
+                        error={"code": code, "message": storable_text(said)},
                         started_at=now,
                         finished_at=now,
                     )
                 )
-            message = f"{call['name']}: {exc}" if fatal else str(exc)
+            message = f"{call['name']}: {said}" if fatal else said
             self._settle(
                 RunStatus.FAILED, error=RunError(code=code, message=message), steps=tool_steps
             )
@@ -531,7 +539,7 @@ class Execution:
             self._commit(write)
         except (ValueError, TypeError, RecursionError) as exc:  # UnicodeEncodeError too
             self._fail_model(
-                f"malformed model reply: it cannot be stored ({type(exc).__name__}: {exc})",
+                f"malformed model reply: it cannot be stored ({exception_text(exc)})",
                 response.usage,
             )
 
@@ -653,6 +661,17 @@ def _usage_of(response: ModelResponse) -> Usage | None:
     return response.usage if isinstance(response.usage, Usage) else None
 
 
+def _uncountable(spent: Usage, usage: Usage | None) -> str | None:
+    """Why a reply's token counts cannot be added to the run's: a count below zero,
+    or a total past what the store's counters hold."""
+    if usage is None:
+        return None
+    for (kind, count), (_, total) in zip(usage, spent + usage, strict=True):
+        if count < 0 or total > MOST_TOKENS:
+            return f"it counts {count} {kind}"
+    return None
+
+
 def _blank(block: dict[str, Any]) -> bool:
     # The Messages API refuses a text block of whitespace in a request.
     return block["type"] == "text" and not block["text"].strip()
@@ -670,24 +689,25 @@ def _without_blank_text(response: ModelResponse) -> ModelResponse:
 def _malformed(response: ModelResponse) -> str | None:
     if not isinstance(response.content, list):
         return "content is not a list of blocks"
+    for what, said in (("model name", response.model), ("stop_reason", response.stop_reason)):
+        if isinstance(said, str) and not is_storable_key(said):
+            return f"its {what} holds a NUL character or is not UTF-8: {said[:200]!r}"
     seen: set[str] = set()
     for block in response.content:
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             return f"not a content block: {block!r}"
+        for key, value in block.items():
+            # As a trigger's payload is: no NaN (Postgres refuses it, SQLite took it),
+            # nothing nested deeper than a read of its step or wait point can return.
+            problem = json_problem(value)
+            if problem is not None:
+                return f"it cannot be stored (the {key} of a {block['type']} block: {problem})"
         if block["type"] == "text" and not isinstance(block.get("text"), str):
             return "a text block has no text"
         if block["type"] == "tool_use":
-            if not isinstance(block.get("id"), str) or not block["id"]:
-                return "a tool_use block has no id"
-            if block["id"] in seen:
-                return f"tool_use id {block['id']} is repeated"
-            seen.add(block["id"])
-            if not isinstance(block.get("name"), str) or not block["name"]:
-                return "a tool_use block has no name"
-            if "\x00" in block["name"]:
-                return "a tool_use name holds a NUL character"
-            if not isinstance(block.get("input"), dict):
-                return f"the input of tool_use {block['id']} is not an object"
+            problem = _malformed_call(block, seen)
+            if problem is not None:
+                return problem
     if all(_blank(block) for block in response.content):
         # Stored, it would make the transcript one the provider refuses once anything
         # follows it (the next run of a thread, say).
@@ -695,6 +715,27 @@ def _malformed(response: ModelResponse) -> str | None:
     if all(_blank(b) or b["type"] in _THINKING for b in response.content):
         # The run would complete with no answer as its output.
         return f"the reply holds no answer, only thinking (stop_reason={response.stop_reason})"
+    return None
+
+
+def _malformed_call(block: dict[str, Any], seen: set[str]) -> str | None:
+    """What is wrong with a tool_use block, given the ids of the reply's calls before it."""
+    if not isinstance(block.get("id"), str) or not block["id"]:
+        return "a tool_use block has no id"
+    # An effect tool's record is keyed by it: every store must hold it as it is.
+    if len(block["id"]) > TOOL_CALL_ID_LENGTH:
+        return f"a tool_use id is longer than {TOOL_CALL_ID_LENGTH} characters"
+    if not is_storable_key(block["id"]):
+        return f"a tool_use id holds a NUL character or is not UTF-8: {block['id']!r}"
+    if block["id"] in seen:
+        return f"tool_use id {block['id']} is repeated"
+    seen.add(block["id"])
+    if not isinstance(block.get("name"), str) or not block["name"]:
+        return "a tool_use block has no name"
+    if "\x00" in block["name"]:
+        return "a tool_use name holds a NUL character"
+    if not isinstance(block.get("input"), dict):
+        return f"the input of tool_use {block['id']} is not an object"
     return None
 
 

@@ -76,14 +76,23 @@ class Budget(_Model):
     timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
 
-def _check_json(value: Any) -> Any:
-    """``value`` if the store can keep it as JSON: no NaN, no set, no lone surrogate,
-    and nested no deeper than pydantic serializes (about 250 levels)."""
+def json_problem(value: Any) -> str | None:
+    """Why the store cannot keep ``value`` as JSON, or None: a NaN, a set, a lone
+    surrogate, or nesting deeper than pydantic serializes (254 levels), which every
+    read of a run or step that holds it would then fail on. Both what a trigger
+    carries and what a model's reply asks a tool are held to it."""
     try:
         to_json(value)  # first: it refuses deep nesting without recursing in Python
         json.dumps(value, allow_nan=False, ensure_ascii=False).encode()
     except (TypeError, ValueError) as exc:
-        raise ValueError(f"payload is not JSON: {exc}") from exc
+        return str(exc)
+    return None
+
+
+def _check_json(value: Any) -> Any:
+    problem = json_problem(value)
+    if problem is not None:
+        raise ValueError(f"payload is not JSON: {problem}")
     return value
 
 
@@ -102,6 +111,12 @@ def is_utf8(text: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
+
+
+def is_storable_key(text: str) -> bool:
+    """Can every store hold ``text`` in a key column (an id, a name)? UTF-8, and no
+    NUL, which Postgres text cannot hold (SQLite can: one answer for both)."""
+    return "\x00" not in text and is_utf8(text)
 
 
 def storable_text(text: str) -> str:

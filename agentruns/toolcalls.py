@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from agentruns.errors import FatalToolError
+from agentruns.errors import FatalToolError, exception_text
 from agentruns.runs import Run, storable_text
 from agentruns.store.base import EffectRecord, Store
 from agentruns.store.connect import dumps
@@ -155,7 +155,7 @@ def _raised_by_tool_code(exc: BaseException) -> Outcome:
     stopping = isinstance(exc, KeyboardInterrupt | SystemExit)
     if stopping and threading.current_thread() is threading.main_thread():
         raise exc
-    return error("tool_error", f"{type(exc).__name__}: {exc}")
+    return error("tool_error", exception_text(exc))
 
 
 def ok(value: Any) -> Outcome:

@@ -22,9 +22,10 @@ from typing import Any
 import psycopg
 import pytest
 
-from agentruns import Agent, Engine, LocalLeases, LocalScheduler, RunStatus, SqlStore
+from agentruns import Agent, Engine, LocalLeases, LocalScheduler, RunStatus, SqlStore, tool
 from agentruns.cli import main
 from agentruns.migrate import migrate
+from agentruns.models import ScriptedModel, text, tool_use
 from tests.conftest import wait_for
 from workers import triage
 
@@ -208,6 +209,35 @@ def test_show_draws_the_run_as_a_timeline_with_usage(cli: Cli) -> None:
         "llm", "tool", "llm", "wait", "tool", "llm", "tool", "llm",
     ]  # fmt: skip
     assert all("|" in line for line in table[1:])  # the timeline bars
+
+
+def test_what_a_model_or_trigger_wrote_cannot_drive_the_terminal(cli: Cli) -> None:
+    # Printed as it was, ESC sequences cleared the screen and retitled the terminal,
+    # and a CR overwrote the line with whatever followed it.
+    @tool
+    def echo(x: str) -> str:
+        """Echo."""
+        return "ok\x1b[31mRED\x1b[0m"
+
+    said = "done\x1b[31m red \r overwritten\u202e"
+    model = ScriptedModel(
+        [
+            [tool_use("evil\x1b[2J\x1b]0;pwned\x07", {}), tool_use("echo", {"x": "\x1b[5m"})],
+            text(said),
+        ]
+    )
+    with cli.engine(Agent("esc", model, tools=[echo])) as engine:
+        envelope = {"source": "s\x1b[1m", "trigger": "t\x9b1m", "payload": "\x1b[41m"}
+        run = engine.dispatch("esc", {**envelope, "keys": {"k": "v\x07"}}, thread="t\x1b")
+        assert engine.idle(10)
+    for argv in (("show", run.id), ("watch", "--run", run.id, "--until-final"), ("runs",)):
+        code, out, err = cli(*argv)
+        assert code == 0, err
+        assert not {"\x1b", "\x07", "\r", "\x9b", "\u202e"} & set(out), (argv, out)
+    _, out, _ = cli("show", run.id)
+    assert "evil\\x1b[2J\\x1b]0;pwned\\x07" in out  # shown, escaped
+    assert "trigger   s\\x1b[1m / t\\x9b1m  keys: k=v\\x07" in out
+    assert cli.json("show", run.id)["run"]["output"] == said  # scripts get it as it is
 
 
 def test_cancel_cancels_a_waiting_run_and_leaves_a_final_one(cli: Cli) -> None:

@@ -38,6 +38,7 @@ from agentruns import (
 from agentruns.errors import InvalidCheckpointError
 from agentruns.events import Event
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.models.base import ModelResponse
 from agentruns.runs import Run, utcnow
 from agentruns.schedulers import ManualScheduler
 from tests.conftest import (
@@ -209,6 +210,23 @@ def test_dispatch_refuses_what_no_store_can_keep_storing_nothing(
     assert engine.dispatch("triage", trigger(fine)).trigger.payload == fine
 
 
+def test_a_run_id_or_agent_name_holding_a_nul_is_not_found_on_either_store(
+    make_any_engine: EngineFactory,
+) -> None:
+    # On Postgres, which cannot hold NUL in text, the reads raised a DataError and
+    # execute() a ValueError; SQLite said the run was not found.
+    engine = make_any_engine([Agent("a", ScriptedModel([text("ok")]))])
+    run = engine.dispatch("a", trigger({}))
+    assert engine.idle(10)
+    reads = (engine.get_run, engine.steps, engine.checkpoint, engine.cancel, engine.execute)
+    for call in (*reads, engine.approval_token):
+        for run_id in ("a\x00b", run.id + "\x00"):
+            with pytest.raises(RunNotFoundError):
+                call(run_id)
+    assert engine.list_runs(agent="a\x00") == []
+    assert [r.id for r in engine.list_runs(agent="a")] == [run.id]
+
+
 def _run_to_end(engine: Any, agent: str = "a", **kwargs: Any) -> Any:
     run = engine.dispatch(agent, trigger({}), **kwargs)
     assert engine.idle(10)
@@ -261,6 +279,94 @@ def test_a_tool_error_quoting_undecodable_bytes_goes_to_the_model(
     result = model.calls[1][-1]["content"][0]
     assert result["is_error"] is True
     assert result["content"] == "ValueError: unsupported file type: r\\udce9sum\\udce9.doc"
+
+
+class _Unprintable(Exception):
+    def __str__(self) -> str:
+        raise RuntimeError("cannot say")
+
+
+class _Unsaying(Exception):
+    def __str__(self) -> Any:
+        return 5  # str() then raises TypeError
+
+
+class _UnprintableFatal(FatalToolError):
+    def __str__(self) -> str:
+        raise RuntimeError("cannot say")
+
+
+def test_a_tool_exception_that_cannot_say_what_it_is_is_still_a_tool_error(
+    make_engine: EngineFactory,
+) -> None:
+    # Formatting it raised again: the whole run failed internal_error, and an effect
+    # tool's intent was left without its result.
+    @tool
+    def plain() -> str:
+        """Plain."""
+        raise _Unsaying()
+
+    @tool(effect=True)
+    def pay() -> str:
+        """Pay."""
+        raise _Unprintable()
+
+    def ask(arguments: dict[str, Any], ctx: ToolContext) -> bool:
+        raise _Unprintable()
+
+    @tool(needs_approval=ask)
+    def gated() -> str:
+        """Gated."""
+        return "never"
+
+    model = ScriptedModel(
+        [[tool_use("plain", {}), tool_use("pay", {}), tool_use("gated", {})], text("ok")]
+    )
+    engine = make_engine([Agent("a", model, tools=[plain, pay, gated])])
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.COMPLETED, run.error
+    results = model.calls[1][-1]["content"]
+    assert [(r["content"], r["is_error"]) for r in results] == [
+        ("<unprintable _Unsaying>", True),
+        ("<unprintable _Unprintable>", True),
+        ("<unprintable _Unprintable>", True),
+    ]
+    (effect,) = engine.store.effects(run.id).values()
+    assert effect.done and effect.is_error and effect.result == "<unprintable _Unprintable>"
+
+
+def test_agent_code_that_cannot_say_what_it_raised_fails_the_run_with_its_own_code(
+    make_engine: EngineFactory,
+) -> None:
+    @tool
+    def explode() -> str:
+        """Explode."""
+        raise _UnprintableFatal()
+
+    class Broken:
+        name = "broken"
+
+        def complete(self, request: Any, signal: threading.Event) -> Any:
+            raise _Unprintable()
+
+    def prompt(ctx: RunContext) -> str:
+        raise _Unprintable()
+
+    engine = make_engine(
+        [
+            Agent("fatal", ScriptedModel([tool_use("explode", {})]), tools=[explode]),
+            Agent("model", Broken()),  # type: ignore[arg-type]
+            Agent("prompt", ScriptedModel([text("never")]), instructions=prompt),
+        ]
+    )
+    for agent, code, message in (
+        ("fatal", "fatal_tool_error", "explode: <unprintable _UnprintableFatal>"),
+        ("model", "model_error", "<unprintable _Unprintable>"),
+        ("prompt", "internal_error", "instructions: <unprintable _Unprintable>"),
+    ):
+        run = _run_to_end(engine, agent)
+        assert run.status is RunStatus.FAILED
+        assert run.error is not None and (run.error.code, run.error.message) == (code, message)
 
 
 def test_a_tool_that_exits_in_a_pool_thread_is_a_tool_error(make_engine: EngineFactory) -> None:
@@ -347,7 +453,8 @@ def test_calls_that_would_wait_for_their_own_execution_do_not(make_engine: Engin
 
 def test_a_deeply_nested_tool_input_reaches_the_tool(make_engine: EngineFactory) -> None:
     # Copied with deepcopy (which recurses in Python), an input 250 levels deep
-    # failed the run with a RecursionError; the store had taken it.
+    # failed the run with a RecursionError; the store had taken it. (254 levels is
+    # as deep as a reply may nest an input.)
     seen: list[int] = []
 
     @tool
@@ -360,12 +467,12 @@ def test_a_deeply_nested_tool_input_reaches_the_tool(make_engine: EngineFactory)
         return str(depth)
 
     tree: dict[str, Any] = {}
-    for _ in range(300):
+    for _ in range(126):
         tree = {"x": [tree]}
     model = ScriptedModel([tool_use("walk", {"tree": tree}), text("ok")])
     run = _run_to_end(make_engine([Agent("a", model, tools=[walk])]))
     assert run.status is RunStatus.COMPLETED, run.error
-    assert seen == [300]
+    assert seen == [126]
 
 
 def test_a_tool_changing_its_input_changes_no_record_of_the_call(
@@ -416,14 +523,8 @@ def test_a_write_larger_than_postgres_takes_fails_the_run_once(
 def test_a_reply_no_store_can_keep_fails_as_the_models_error(make_engine: EngineFactory) -> None:
     # It failed internal_error with its tokens lost. An unknown tool's name longer
     # than the step row's column failed the run on Postgres, not the call.
-    deep: Any = "bottom"
-    for _ in range(2_000):
-        deep = [deep]
     usage = Usage(input_tokens=10, output_tokens=5)
-    replies = {
-        "surrogate": [text("caf\udce9")],
-        "deep": [tool_use("search_issues", {"query": deep})],
-    }
+    replies = {"surrogate": [text("caf\udce9")]}
     agents = [
         Agent(name, ScriptedModel(script, usage=usage), tools=[search_issues])
         for name, script in replies.items()
@@ -617,6 +718,135 @@ def test_malformed_model_reply_fails_with_model_error_keeping_the_transcript(
         assert run.usage == Usage(input_tokens=20, output_tokens=10), reply
 
 
+def _nested(levels: int) -> Any:
+    value: Any = "bottom"
+    for _ in range(levels - 1):
+        value = [value]
+    return {"x": value}
+
+
+@pytest.mark.parametrize("levels", [255, 975, 3_000])
+def test_a_tool_input_nested_deeper_than_a_payload_may_be_is_a_malformed_reply(
+    make_engine: EngineFactory, levels: int
+) -> None:
+    # Stored, it failed every read of its step (`agentruns show` too), a pause for
+    # its approval (internal_error) and, from ~975 levels, every next run of its thread.
+    @tool(needs_approval=True)
+    def post(x: Any) -> str:
+        """Post it."""
+        return "posted"
+
+    model = ScriptedModel(
+        [tool_use("search_issues", {"query": "x"}), tool_use("post", _nested(levels))],
+        usage=Usage(input_tokens=10, output_tokens=5),
+    )
+    engine = make_engine([Agent("a", model, tools=[search_issues, post])])
+    with pytest.raises(InvalidTriggerError):  # the bound a trigger's payload is held to
+        engine.dispatch("a", trigger(_nested(levels)))
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.FAILED
+    assert run.error is not None and run.error.code == "model_error", run.error
+    assert run.error.message.startswith(
+        "malformed model reply: it cannot be stored (the input of a tool_use block"
+    )
+    assert run.usage == Usage(input_tokens=20, output_tokens=10)
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None and len(checkpoint.messages) == 3  # nothing of the reply
+    assert [s.kind for s in engine.steps(run.id)] == ["llm", "tool"]
+
+
+def test_a_tool_input_as_deep_as_a_payload_may_be_is_stored_read_and_approved(
+    make_engine: EngineFactory,
+) -> None:
+    @tool(needs_approval=True)
+    def post(x: Any) -> str:
+        """Post it."""
+        return "posted"
+
+    deepest = _nested(254)
+    model = ScriptedModel([tool_use("post", deepest), text("Posted.")])
+    engine = make_engine([Agent("a", model, tools=[post])])
+    assert engine.dispatch("a", trigger(deepest)).trigger.payload == deepest
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.WAITING, run.error
+    assert run.waiting is not None and run.waiting.input == deepest
+    engine.resume(engine.approval_token(run.id), approved=True)
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    for step in engine.steps(run.id):  # what `agentruns show --json` prints
+        step.model_dump_json()
+
+
+def test_a_tool_call_id_no_store_can_key_an_effect_by_is_a_malformed_reply_on_both(
+    make_any_engine: EngineFactory,
+) -> None:
+    # An effect's record is keyed by the call's id (200 characters, no NUL): on
+    # Postgres the run failed internal_error, while SQLite took it.
+    calls: list[str] = []
+
+    @tool(effect=True)
+    def pay() -> str:
+        """Pay."""
+        calls.append("pay")
+        return "paid"
+
+    @tool
+    def look() -> str:
+        """Look."""
+        calls.append("look")
+        return "seen"
+
+    engine = make_any_engine([])
+    for name in ("pay", "look"):
+        for call_id, fine in (("i" * 200, True), ("i" * 201, False), ("a\x00b", False)):
+            calls.clear()
+            model = ScriptedModel([tool_use(name, {}, id=call_id), text("done")])
+            engine.register(Agent(f"{name}-{len(call_id)}", model, tools=[pay, look]))
+            run = _run_to_end(engine, f"{name}-{len(call_id)}")
+            if fine:
+                assert run.status is RunStatus.COMPLETED, run.error
+                assert calls == [name]
+                continue
+            assert run.status is RunStatus.FAILED, run
+            assert run.error is not None and run.error.code == "model_error", run.error
+            assert run.error.message.startswith("malformed model reply: a tool_use id")
+            assert calls == [] and engine.steps(run.id) == []
+            assert engine.checkpoint(run.id) is None  # nothing of the reply was written
+
+
+def test_a_reply_one_store_would_refuse_is_a_malformed_reply_on_both(
+    make_any_engine: EngineFactory,
+) -> None:
+    # Postgres refused NaN in JSON, token counts past a bigint and a NUL in the model's
+    # name (internal_error); SQLite kept what it could.
+    usage = Usage(input_tokens=10, output_tokens=5)
+
+    def reply(**fields: Any) -> ModelResponse:
+        return ModelResponse(**{"content": [text("ok")], "stop_reason": "end_turn", **fields})
+
+    # With what the run counts once it is refused: the reply's tokens too, unless
+    # they are what is wrong with it.
+    replies: list[tuple[Any, Usage]] = [
+        (tool_use("search_issues", {"query": "x", "limit": float("nan")}), usage + usage),
+        ([{"type": "weird", "data": [float("inf")]}, text("ok")], usage + usage),
+        (reply(model="m\x00", usage=usage), usage + usage),
+        (reply(stop_reason="end\x00turn", usage=usage), usage + usage),
+        (reply(usage=Usage(input_tokens=2**70)), usage),
+        (reply(usage=Usage(output_tokens=-5)), usage),
+    ]
+    engine = make_any_engine([])
+    for i, (bad, counted) in enumerate(replies):
+        model = ScriptedModel([tool_use("search_issues", {"query": "x"}), bad], usage=usage)
+        engine.register(Agent(f"a{i}", model, tools=[search_issues]))
+        run = _run_to_end(engine, f"a{i}")
+        assert run.status is RunStatus.FAILED, bad
+        assert run.error is not None and run.error.code == "model_error", run.error
+        assert run.error.message.startswith("malformed model reply: "), run.error
+        checkpoint = engine.checkpoint(run.id)
+        assert checkpoint is not None and len(checkpoint.messages) == 3
+        assert run.usage == counted, bad
+
+
 def test_a_reply_of_a_server_tools_call_and_result_alone_completes(
     make_engine: EngineFactory,
 ) -> None:
@@ -757,6 +987,30 @@ def test_an_agents_concurrency_key_callable_is_checked(make_engine: EngineFactor
     with pytest.raises(TypeError, match="returned list"):
         engine.dispatch("a", trigger({"issue": [1]}))
     assert len(engine.list_runs()) == 1
+
+
+def test_an_agents_concurrency_key_is_held_to_the_checks_of_a_dispatched_one(
+    make_engine: EngineFactory,
+) -> None:
+    # "" was stored as a key, so every run without an issue queued behind the others;
+    # a lone surrogate raised a bare UnicodeEncodeError.
+    def by_issue(t: TriggerEnvelope) -> Any:
+        return t.keys.get("issue", "")
+
+    agents = [
+        Agent("a", ScriptedModel([text("ok")]), concurrency_key=by_issue),
+        Agent("b", ScriptedModel([text("ok")]), concurrency_key=lambda t: "\ud800"),
+        Agent("c", ScriptedModel([text("ok")]), concurrency_key=lambda t: "order\x00A"),
+    ]
+    engine = make_engine(agents)
+    for agent, refused in (("a", "must not be empty"), ("b", "UTF-8"), ("c", "NUL")):
+        with pytest.raises(InvalidTriggerError, match=f"concurrency_key .*{refused}"):
+            engine.dispatch(agent, trigger({}))
+    assert engine.list_runs() == []
+    run = engine.dispatch("a", trigger({}, keys={"issue": "7"}))
+    assert run.concurrency_key == "7"
+    # One given to dispatch is the run's, whatever the agent's would be.
+    assert engine.dispatch("b", trigger({}), concurrency_key="own").concurrency_key == "own"
 
 
 def test_runs_of_one_concurrency_key_never_overlap(make_engine: EngineFactory) -> None:

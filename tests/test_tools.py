@@ -145,6 +145,20 @@ def test_agent_arguments_of_the_wrong_type_are_refused_when_the_agent_is_made() 
     assert Agent("a", model, approval_ttl=timedelta(minutes=5)).approval_ttl.seconds == 300
 
 
+def test_an_agent_name_no_store_holds_as_it_is_is_refused_when_the_agent_is_made(
+    make_any_engine: EngineFactory,
+) -> None:
+    # Taken, each failed its runs later, and differently on Postgres (a truncation,
+    # a ValueError, a UnicodeEncodeError) and SQLite.
+    model = ScriptedModel([text("ok")])
+    for name in ("L" * 201, "n\x00ul", "esc\x1b[2J", "tab\there", "   ", " a", "a\n", "s\ud800"):
+        with pytest.raises(ValueError, match="an agent's name"):
+            Agent(name, model)
+    longest = "é" * 200
+    assert _run(make_any_engine, Agent(longest, model)).agent == longest
+    assert _run(make_any_engine, Agent("triage bot", model)).status is RunStatus.COMPLETED
+
+
 def test_a_run_that_cannot_start_its_execution_fails_instead_of_staying_running(
     make_engine: EngineFactory,
 ) -> None:

@@ -13,6 +13,7 @@ import sys
 from collections.abc import Iterator, Sequence
 
 from agentruns.cli.errors import describe
+from agentruns.cli.render import plain
 from agentruns.cli.session import Session
 from agentruns.runs import is_utf8
 
@@ -95,7 +96,7 @@ def _run(args: argparse.Namespace) -> int:
             settings.database_url if settings else "",
             settings.redis_url if settings else None,
         )
-        print(f"agentruns: error: {line}", file=sys.stderr)
+        print(f"agentruns: error: {plain(line)}", file=sys.stderr)
         return code
 
 

@@ -159,7 +159,8 @@ def cmd_tick(session: Session, args: argparse.Namespace) -> int:
         f"sent, {len(after)} run(s) waiting"
     )
     if errors:
-        session.say(f"tick: {len(errors)} failed, the next tick tries again: {errors[0]}")
+        failed = render.plain(errors[0])  # a notifier's own words
+        session.say(f"tick: {len(errors)} failed, the next tick tries again: {failed}")
     return 0
 
 

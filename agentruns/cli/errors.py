@@ -16,6 +16,7 @@ from agentruns.errors import (
     NotMigratedError,
     RunNotFoundError,
     UnknownAgentError,
+    exception_text,
 )
 
 BAD_INPUT = 2
@@ -46,7 +47,8 @@ def safe_url(url: str) -> str:
 
 
 def first_line(value: Any) -> str:
-    lines = [line.strip() for line in str(value).splitlines() if line.strip()]
+    said = exception_text(value, typed=False) if isinstance(value, BaseException) else str(value)
+    lines = [line.strip() for line in said.splitlines() if line.strip()]
     return lines[0] if lines else type(value).__name__
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
@@ -10,6 +11,17 @@ from typing import Any
 from agentruns.runs import Run, Step, utcnow
 
 BAR_WIDTH = 24
+
+# C0 and C1 controls (ESC, CR, BEL, newlines ...), DEL, line and paragraph separators,
+# and the marks that reorder text: what would move, recolour or retitle a terminal.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def plain(text: str) -> str:
+    """``text`` with its control characters escaped (ESC as ``\\x1b``): a line shows
+    what a model, a tool or a trigger wrote, and they must not drive the terminal
+    (or start a line that looks like one of ours)."""
+    return _CONTROL.sub(lambda m: ascii(m.group())[1:-1], text)
 
 
 def duration(seconds: float) -> str:
@@ -39,7 +51,7 @@ def clock(at: datetime | None, *, date: bool = False) -> str:
 def short(value: Any, width: int = 60) -> str:
     """A value as compact one-line JSON (strings as they are), cut to ``width``."""
     body = value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
-    body = " ".join(body.split())
+    body = plain(" ".join(body.split()))
     return body if len(body) <= width else body[: width - 3] + "..."
 
 
@@ -48,6 +60,7 @@ def tokens(run: Run) -> str:
 
 
 def table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
+    rows = [[plain(cell) for cell in row] for row in rows]
     widths = [len(h) for h in headers]
     for row in rows:
         widths = [max(w, len(cell)) for w, cell in zip(widths, row, strict=True)]
@@ -96,7 +109,7 @@ def step_detail(step: Step) -> str:
 def step_line(step: Step) -> str:
     took = duration((step.finished_at - step.started_at).total_seconds())
     name = step.name or ""
-    return f"step {step.index:<3} {step.kind:<4} {name:<14} {took:>7}  {step_detail(step)}"
+    return plain(f"step {step.index:<3} {step.kind:<4} {name:<14} {took:>7}  {step_detail(step)}")
 
 
 def run_line(run: Run) -> str:
@@ -110,7 +123,7 @@ def run_line(run: Run) -> str:
         text += f': "{short(run.output, 70)}"'
     if run.cancel_requested and not run.status.is_final:
         text += " (cancel requested)"
-    return text
+    return plain(text)
 
 
 def header(run: Run) -> str:
@@ -143,7 +156,7 @@ def header(run: Run) -> str:
         lines.append(f"output    {short(run.output, 100)}")
     if run.error is not None:
         lines.append(f"error     {run.error.code}: {run.error.message}")
-    return "\n".join(lines)
+    return "\n".join(plain(line) for line in lines)
 
 
 def timeline(run: Run, steps: Sequence[Step]) -> str:

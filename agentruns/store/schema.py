@@ -23,12 +23,21 @@ RunKey = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 # The longest idempotency key, concurrency key or thread name, in characters.
 KEY_LENGTH = 500
 
+# The most tokens of a kind a run's counter holds (a bigint, on SQLite too).
+MOST_TOKENS = 2**63 - 1
+
+# The longest agent name, in characters.
+AGENT_NAME_LENGTH = 200
+
+# The longest tool call id (a model's; the Messages API's are about 30 characters).
+TOOL_CALL_ID_LENGTH = 200
+
 runs = sa.Table(
     "agentruns_runs",
     metadata,
     sa.Column("key", RunKey, primary_key=True, autoincrement=True),
     sa.Column("id", sa.String(64), nullable=False, unique=True),
-    sa.Column("agent", sa.String(200), nullable=False),
+    sa.Column("agent", sa.String(AGENT_NAME_LENGTH), nullable=False),
     sa.Column("status", sa.String(16), nullable=False),
     sa.Column("trigger", sa.JSON, nullable=False),
     sa.Column("idempotency_key", sa.String(KEY_LENGTH), unique=True),
@@ -114,7 +123,7 @@ effects = sa.Table(
     "agentruns_effects",
     metadata,
     sa.Column("run_id", sa.String(64), primary_key=True),
-    sa.Column("tool_call_id", sa.String(200), primary_key=True),
+    sa.Column("tool_call_id", sa.String(TOOL_CALL_ID_LENGTH), primary_key=True),
     sa.Column("tool_name", sa.String(200), nullable=False),
     sa.Column("idempotency_key", sa.String(300), nullable=False),
     # "started" once the intent is recorded, "done" once the result is.

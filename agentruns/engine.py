@@ -319,7 +319,7 @@ class Engine:
         # No read first: the claim is the check (a run that is not queued, or not
         # there, costs a lease round trip and a claim that matches nothing).
         run_id = _run_id(run_id)
-        with self._calling():
+        with self._calling(new_work=False):
             # One called from inside an execution (a listener's, a tool's) runs on that
             # execution's thread and slot: waiting for a slot of its own could wait for
             # itself.
@@ -359,22 +359,26 @@ class Engine:
                 "waits for it"
             )
 
-    def _not_shut(self) -> None:
-        if self._shut:
-            # Its scheduler would drop what it schedules: a run would wait for recover().
-            raise RuntimeError("this engine is closed: build another one")
-
     @contextlib.contextmanager
-    def _calling(self) -> Iterator[None]:
-        """An ``execute`` or ``dispatch_here`` in progress, for ``idle``: from before
-        its claim until after what follows a run's release (its notifier, the next
-        run of its key); and every other call that writes runs, from before its write
-        until its events are delivered and its run is scheduled."""
-        self._not_shut()
+    def _calling(self, new_work: bool = True) -> Iterator[None]:
+        """A call in progress, for ``idle`` and ``close``: an ``execute`` or
+        ``dispatch_here`` from before its claim until after what follows a run's
+        release (its notifier, the next run of its key); any other call that writes
+        runs, until its events are delivered and its run is scheduled.
+
+        ``new_work`` is refused once ``close()`` has begun (counted first, so that
+        ``close()`` either waits for it or it sees the close): the scheduler would
+        drop what it schedules, a run left for ``recover()``, and an answered
+        approval spent for nothing. A call inside one in progress (a tool's, a
+        listener's, a notifier's), which ``close()`` waits for, still runs; and an
+        ``execute`` during the close does nothing, as during a drain."""
         with self._calls_lock:
             self._calls += 1
-        self._local.calls = getattr(self._local, "calls", 0) + 1
+        nested = getattr(self._local, "calls", 0)
+        self._local.calls = nested + 1
         try:
+            if self._shut or (new_work and self._closed and not nested):
+                raise RuntimeError("this engine is closed: build another one")
             yield
         finally:
             self._local.calls -= 1
@@ -548,8 +552,8 @@ class Engine:
 
     def tick(self) -> None:
         """Deny approvals past their expiry; re-send notifications that did not go through."""
-        self._not_shut()
-        self._approvals.tick()
+        with self._calling():
+            self._approvals.tick()
 
     def recover(self) -> list[str]:
         """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge was lost."""

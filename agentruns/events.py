@@ -31,9 +31,10 @@ Listener = Callable[[Event], None]
 class _RunQueue:
     """One run's events not yet delivered, and who may write or deliver them."""
 
-    __slots__ = ("delivering", "events", "users", "write_lock")
+    __slots__ = ("delivering", "events", "run_id", "users", "write_lock")
 
-    def __init__(self) -> None:
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
         self.write_lock = threading.RLock()
         self.events: deque[Event] = deque()
         self.delivering = False
@@ -46,7 +47,10 @@ class Events:
     A run's events reach every listener in the order its writes committed, whichever
     threads wrote (a resume in a web handler, the execution it started in a pool):
     each write holds ``writing(run_id)`` from before its commit until its events are
-    queued, and one thread at a time delivers a run's queue.
+    queued, and one thread at a time delivers a run's queue, the events other
+    threads queue meanwhile included. An event a listener causes (it answers the
+    approval, dispatches another run) waits until every listener has had the one
+    being delivered, and is delivered by the same thread after it.
     """
 
     def __init__(self, on_error: Callable[[Exception], None]) -> None:
@@ -56,7 +60,7 @@ class Events:
         self._queues: dict[str, _RunQueue] = {}
         self._queues_lock = threading.Lock()
         self._undelivered = 0  # events queued and not yet had by every listener
-        self._writing = threading.local()
+        self._local = threading.local()
 
     def on(self, event_type: EventType, listener: Listener) -> Callable[[], None]:
         if event_type not in self._listeners:
@@ -80,20 +84,20 @@ class Events:
     def writing(self, run_id: str) -> Iterator[None]:
         """Hold around a write to a run and the events it makes (see the class)."""
         queue = self._use(run_id)
-        depth = self._depths()
+        depths = self._depths()
         try:
             with queue.write_lock:
-                depth[run_id] = depth.get(run_id, 0) + 1
+                depths[run_id] = depths.get(run_id, 0) + 1
                 try:
                     yield
                 finally:
-                    depth[run_id] -= 1
-                    if not depth[run_id]:
-                        del depth[run_id]
-        finally:
-            if run_id not in depth:
+                    depths[run_id] -= 1
+                    if not depths[run_id]:
+                        del depths[run_id]
+            if run_id not in depths:
                 self._deliver(queue)
-            self._let_go(run_id, queue)
+        finally:
+            self._let_go(queue)
 
     def run_updated(self, run: Run) -> None:
         self._emit(run.id, Event("run.updated", run=run))
@@ -113,32 +117,61 @@ class Events:
             if run_id not in self._depths():
                 self._deliver(queue)
         finally:
-            self._let_go(run_id, queue)
+            self._let_go(queue)
 
     def _depths(self) -> dict[str, int]:
         """The runs this thread is inside ``writing`` of, and how deep."""
-        depths: dict[str, int] | None = getattr(self._writing, "depths", None)
+        depths: dict[str, int] | None = getattr(self._local, "depths", None)
         if depths is None:
-            depths = self._writing.depths = {}
+            depths = self._local.depths = {}
         return depths
 
     def _use(self, run_id: str) -> _RunQueue:
         with self._queues_lock:
             queue = self._queues.get(run_id)
             if queue is None:
-                queue = self._queues[run_id] = _RunQueue()
+                queue = self._queues[run_id] = _RunQueue(run_id)
             queue.users += 1
             return queue
 
-    def _let_go(self, run_id: str, queue: _RunQueue) -> None:
+    def _let_go(self, queue: _RunQueue) -> None:
         with self._queues_lock:
             queue.users -= 1
-            if not queue.users and not queue.events and not queue.delivering:
-                del self._queues[run_id]
+            self._forget_if_done(queue)
+
+    def _forget_if_done(self, queue: _RunQueue) -> None:
+        if not queue.users and not queue.events and not queue.delivering:
+            self._queues.pop(queue.run_id, None)
 
     def _deliver(self, queue: _RunQueue) -> None:
-        """Deliver the run's queued events, unless a thread does already: it takes
-        these too, after the one it delivers (an event a listener causes, say)."""
+        """Deliver the run's queued events, unless this thread delivers already (a
+        listener's call made them: they come after the current event) or another
+        thread does (it takes these too, after the ones before them)."""
+        later: list[_RunQueue] | None = getattr(self._local, "later", None)
+        if later is not None:
+            if all(q is not queue for q in later):
+                with self._queues_lock:
+                    queue.users += 1  # kept until this thread comes to it
+                later.append(queue)
+            return
+        later = self._local.later = []
+        try:
+            self._drain(queue, later)
+            while later:
+                held = later.pop(0)
+                try:
+                    self._drain(held, later)
+                finally:
+                    self._let_go(held)
+        except BaseException:
+            for held in later:  # the process is stopping: what was left goes
+                self._drop(held)
+                self._let_go(held)
+            raise
+        finally:
+            self._local.later = None
+
+    def _drain(self, queue: _RunQueue, later: list[_RunQueue]) -> None:
         with self._queues_lock:
             if queue.delivering:
                 return
@@ -148,25 +181,45 @@ class Events:
                 with self._queues_lock:
                     if not queue.events:
                         queue.delivering = False
+                        self._forget_if_done(queue)
                         return
                     event = queue.events.popleft()
                 try:
-                    for listener in self._listeners[event.type]:
-                        try:
-                            listener(event)
-                        except Exception as exc:
-                            self._on_error(exc)
-                        except (KeyboardInterrupt, SystemExit) as exc:
-                            # In a pool's thread no signal raised it, the listener did
-                            # (argparse's exit): raised on, it would end the execution
-                            # unsettled, its run left running until its lease expired.
-                            if threading.current_thread() is threading.main_thread():
-                                raise
-                            self._on_error(RuntimeError(f"a listener raised {exc!r}"))
+                    self._call_listeners(event)
                 finally:
                     with self._queues_lock:
                         self._undelivered -= 1
+                # What the listeners caused, before this run's next event.
+                while later:
+                    held = later.pop(0)
+                    try:
+                        self._drain(held, later)
+                    finally:
+                        self._let_go(held)
         except BaseException:
-            with self._queues_lock:
-                queue.delivering = False
+            self._drop(queue)
             raise
+
+    def _drop(self, queue: _RunQueue) -> None:
+        """Give up the run's queued events (a KeyboardInterrupt stops this thread)."""
+        with self._queues_lock:
+            self._undelivered -= len(queue.events)
+            queue.events.clear()
+            queue.delivering = False
+            self._forget_if_done(queue)
+
+    def _call_listeners(self, event: Event) -> None:
+        for listener in self._listeners[event.type]:
+            try:
+                listener(event)
+            except Exception as exc:
+                self._on_error(exc)
+            except BaseException as exc:
+                # KeyboardInterrupt or SystemExit in the main thread: the process is
+                # stopping. Anywhere else the listener raised it (argparse's exit, a
+                # cancelled asyncio task): raised on, it would end the execution
+                # unsettled, its run left running until its lease expired.
+                stopping = isinstance(exc, KeyboardInterrupt | SystemExit)
+                if stopping and threading.current_thread() is threading.main_thread():
+                    raise
+                self._on_error(RuntimeError(f"a listener raised {exc!r}"))

@@ -432,6 +432,38 @@ def test_idle_waits_for_another_threads_answer_and_the_execution_it_starts(
     answering.join(5)
 
 
+def test_close_waits_for_a_tick_in_progress_and_idle_counts_it(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    # A tick denying an expired approval (its listeners running) was no call in
+    # progress: idle() said True, and close() closed the engine under it, whose
+    # scheduling of the answered run was then dropped without a word.
+    agent, _ = comment_agent(calls, approval_ttl=timedelta(seconds=0.3))
+    engine = make_engine([agent])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    time.sleep(0.4)
+    in_listener = threading.Event()
+
+    def slow(event: Event) -> None:
+        if event.run is not None and event.run.status is RunStatus.QUEUED:
+            in_listener.set()
+            time.sleep(0.5)  # shipping the denial to an audit log
+
+    engine.on("run.updated", slow)
+    ticking = threading.Thread(target=engine.tick)
+    ticking.start()
+    assert in_listener.wait(10)
+    assert not engine.idle(0.1)
+    engine.close()
+    assert not ticking.is_alive()  # close() waited for it
+    assert engine.get_run(run.id).status is RunStatus.QUEUED  # answered: recover's now
+    later = make_engine([agent], requeue_after=0.1)
+    time.sleep(0.2)
+    assert later.recover() == [run.id]
+    assert later.idle(10)
+    assert later.get_run(run.id).status is RunStatus.COMPLETED
+
+
 def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(
     make_engine: EngineFactory, calls: Calls, errors: Errors
 ) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import json
 import os
@@ -1501,24 +1502,84 @@ def test_a_drained_thread_run_goes_first_again_and_its_thread_keeps_its_order(
     assert r2_done.output == "answered 2 questions"
 
 
+@pytest.mark.parametrize("raised", [SystemExit(2), asyncio.CancelledError()], ids=repr)
 def test_a_listener_that_exits_in_a_pool_thread_reaches_on_error_and_the_run_completes(
-    make_engine: EngineFactory, errors: Errors
+    make_engine: EngineFactory, errors: Errors, raised: BaseException
 ) -> None:
-    # argparse in a listener exits on bad arguments: the SystemExit ended the
-    # execution unsettled, and the run stayed running with its claim until its
-    # lease expired and recover() took it.
+    # argparse in a listener exits on bad arguments, asyncio.run() of a cancelled
+    # task raises CancelledError: it ended the execution unsettled, and the run
+    # stayed running with its claim until its lease expired and recover() took it.
     engine = make_engine([Agent("a", ScriptedModel([text("ok")]))])
 
     def exits(event: Event) -> None:
         if event.run is not None and event.run.status is RunStatus.RUNNING:
-            raise SystemExit(2)
+            raise raised
 
     engine.on("run.updated", exits)
     run = engine.dispatch("a", trigger({}))
     assert engine.idle(10)
     done = engine.get_run(run.id)
     assert done.status is RunStatus.COMPLETED and done.claim is None
-    assert any("a listener raised SystemExit(2)" in str(e) for e in errors)
+    assert any(f"a listener raised {raised!r}" in str(e) for e in errors)
+
+
+def test_a_listener_interrupted_in_the_main_thread_leaves_nothing_undelivered(
+    make_engine: EngineFactory,
+) -> None:
+    # Ctrl-C in a step's listener stops an execution in the main thread (the run is
+    # left for recover, as after a crash); the run.updated queued behind the step's
+    # event stayed counted as undelivered, and idle() never said True again.
+    engine = make_engine([Agent("a", ScriptedModel([text("ok")]))], scheduler=ManualScheduler())
+    interrupted: list[int] = []
+
+    def interrupt(event: Event) -> None:
+        if event.step is not None and not interrupted:
+            interrupted.append(event.step.index)
+            raise KeyboardInterrupt
+
+    engine.on("step.appended", interrupt)
+    run = engine.dispatch("a", trigger({}))
+    with pytest.raises(KeyboardInterrupt):
+        engine.execute(run.id)
+    assert interrupted == [0]
+    assert engine.idle(5)
+
+
+def test_a_listener_that_dispatches_the_next_run_under_its_own_lock_does_not_deadlock(
+    make_engine: EngineFactory,
+) -> None:
+    # Listeners run on several threads, so one keeps its state under a lock; this
+    # one chains a run when the first completes. The new run's event was delivered
+    # inside the listener that caused it, on its thread: it waited for its own lock.
+    engine = make_engine(
+        [
+            Agent("first", ScriptedModel([text("one")])),
+            Agent("second", ScriptedModel([text("two")])),
+        ]
+    )
+    lock = threading.Lock()
+    seen: list[tuple[str, str]] = []
+    stuck: list[Event] = []
+
+    def chain(event: Event) -> None:
+        assert event.run is not None
+        if not lock.acquire(timeout=3):  # (with no timeout: for good)
+            stuck.append(event)
+            return
+        try:
+            seen.append((event.run.agent, event.run.status.value))
+            if event.run.agent == "first" and event.run.status is RunStatus.COMPLETED:
+                engine.dispatch("second", trigger({"after": event.run.id}))
+        finally:
+            lock.release()
+
+    engine.on("run.updated", chain)
+    engine.dispatch("first", trigger({}))
+    assert engine.idle(10)
+    assert stuck == []
+    assert ("second", "completed") in seen
+    # The event the listener caused came after the one it was handling.
+    assert seen.index(("first", "completed")) < seen.index(("second", "queued"))
 
 
 def test_a_closed_engine_refuses_new_work_saying_so_and_still_reads(
@@ -1545,6 +1606,26 @@ def test_a_closed_engine_refuses_new_work_saying_so_and_still_reads(
     assert [r.id for r in engine.list_runs()] == [run.id]  # nothing was stored
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
     engine.close()  # twice is harmless
+
+
+def test_an_engine_refuses_new_work_once_its_close_has_begun(make_engine: EngineFactory) -> None:
+    # A dispatch while close() was under way was stored queued and dropped by the
+    # closing scheduler; it waited for a recover() after requeue_after.
+    engine = make_engine([Agent("triage", ScriptedModel([text("ok")]))])
+    closing = threading.Event()
+
+    def slow_closer() -> None:  # a listener's own resource, say
+        closing.set()
+        time.sleep(0.5)
+
+    engine.close_with(slow_closer)
+    closer = threading.Thread(target=engine.close)
+    closer.start()
+    assert closing.wait(10)
+    with pytest.raises(RuntimeError, match="this engine is closed"):
+        engine.dispatch("triage", trigger({}))
+    closer.join(10)
+    assert engine.list_runs() == []
 
 
 def test_a_listener_that_raises_reaches_on_error_and_the_run_completes(

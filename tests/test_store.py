@@ -24,6 +24,7 @@ from agentruns.migrations import HEAD, REVISIONS, current_revision
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
+from agentruns.store.rows import aware
 from tests.conftest import PG_ADMIN, drop_connections, free_port, wait_for
 
 
@@ -234,6 +235,56 @@ def test_a_thread_stored_before_0002_is_continued_after_it(empty_pg: str, tmp_pa
             assert checkpoint is not None and checkpoint.messages[:2] == bodies
         finally:
             agentruns.close()
+
+
+def test_a_run_waiting_before_0003_gets_its_wait_points_times(
+    empty_pg: str, tmp_path: object
+) -> None:
+    # tick decides by these columns: a waiting run without them is read in full.
+    from alembic import command
+
+    from agentruns.migrate import _config
+    from agentruns.store.schema import runs
+
+    expires, notified = utcnow() + timedelta(hours=1), utcnow()
+    wait = {"token_id": "t1", "input": "\x00", "expires_at": expires.isoformat()}
+    waits = {
+        "notified": {**wait, "notified_at": notified.isoformat().replace("+00:00", "Z")},
+        "pending": wait,
+        "damaged": {"token_id": "t2", "expires_at": "soon"},
+    }
+    for url in (empty_pg, f"sqlite:///{tmp_path}/old.db"):
+        engine = sa.create_engine(url)
+        with engine.begin() as conn:
+            config = _config()
+            config.attributes["connection"] = conn
+            command.upgrade(config, "0002")
+            for run_id, waiting in waits.items():
+                conn.execute(
+                    sa.text(
+                        "INSERT INTO agentruns_runs (id, agent, status, trigger, waiting,"
+                        " waiting_token, created_at, updated_at) VALUES (:id, 'a', 'waiting',"
+                        " '{}', :waiting, 't', :now, :now)"
+                    ),
+                    {"id": run_id, "now": utcnow(), "waiting": json.dumps(waiting)},
+                )
+        engine.dispose()
+        migrate(url)
+        store = SqlStore(url)
+        with store.engine.connect() as conn:
+            c = runs.c
+            rows = conn.execute(sa.select(c.id, c.waiting_expires_at, c.waiting_notified_at))
+            times = {
+                r.id: (aware(r.waiting_expires_at), aware(r.waiting_notified_at)) for r in rows
+            }
+        assert times == {
+            "notified": (expires, notified),
+            "pending": (expires, None),
+            "damaged": (None, None),
+        }, url
+        # The one not notified, and the one whose columns say nothing, are due.
+        assert sorted(store.waits_due(utcnow(), ["a"])) == ["damaged", "pending"]
+        store.close()
 
 
 def test_postgres_connections_give_up_on_a_server_gone_silent(db_url: str) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any
 
@@ -25,7 +25,6 @@ from agentruns.runs import (
     Run,
     RunStatus,
     Step,
-    WaitPoint,
     utcnow,
 )
 from agentruns.store import history, schema
@@ -371,6 +370,8 @@ class SqlStore:
                         cancel_requested=sa.case((running, True), else_=R.c.cancel_requested),
                         waiting=unless_running(sa.null(), R.c.waiting),
                         waiting_token=unless_running(sa.null(), R.c.waiting_token),
+                        waiting_expires_at=unless_running(sa.null(), R.c.waiting_expires_at),
+                        waiting_notified_at=unless_running(sa.null(), R.c.waiting_notified_at),
                         claim_owner=unless_running(sa.null(), R.c.claim_owner),
                         claim_expires_at=unless_running(sa.null(), R.c.claim_expires_at),
                         updated_at=now,
@@ -519,22 +520,26 @@ class SqlStore:
             ).first()
             return row[0] if row else None
 
-    def wait_points(self) -> list[tuple[str, WaitPoint]]:
-        """The waiting runs' ids and wait points, and nothing else of them: ``tick``
-        reads them all every few seconds, and acts on few."""
+    def waits_due(self, now: datetime, notifying: Collection[str]) -> list[str]:
+        """The waiting runs ``tick`` has something to do for at ``now``: expired, or not
+        yet announced and of an agent with a notifier (named in ``notifying``). Decided
+        by the wait point's columns, never its JSON: a tick reads them all every few
+        seconds, and acts on few. A run whose columns hold no expiry (stored by a
+        release before 0003, or edited by hand) is due: its wait point decides."""
         query = (
-            sa.select(R.c.id, R.c.waiting)
-            .where(R.c.status == RunStatus.WAITING.value)
+            sa.select(R.c.id)
+            .where(
+                R.c.status == RunStatus.WAITING.value,
+                sa.or_(
+                    R.c.waiting_expires_at.is_(None),
+                    R.c.waiting_expires_at <= now,
+                    sa.and_(R.c.waiting_notified_at.is_(None), R.c.agent.in_(list(notifying))),
+                ),
+            )
             .order_by(R.c.key)
         )
-        found = []
         with self._reads.connect() as conn:
-            for run_id, waiting in conn.execute(query):
-                try:
-                    found.append((run_id, WaitPoint.model_validate(waiting)))
-                except ValueError:
-                    continue  # a hand-damaged row: reading it in full says so (rows.py)
-        return found
+            return [run_id for (run_id,) in conn.execute(query)]
 
 
 def _readable(rows: Iterable[RowMapping]) -> list[Run]:

@@ -1,0 +1,88 @@
+"""What a large runs table needs: a waiting run's expiry and notification time get
+columns of their own, which ``tick`` reads instead of the whole wait point.
+
+Revision ID: 0003
+Revises: 0002
+Create Date: 2027-01-15
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0003"
+down_revision = "0002"
+branch_labels = None
+depends_on = None
+
+TS = sa.DateTime(timezone=True)
+# Waiting runs whose wait points are read at a time (each holds a tool's input).
+_BATCH = 200
+
+
+def upgrade() -> None:
+    with op.batch_alter_table("agentruns_runs") as batch:
+        batch.add_column(sa.Column("waiting_expires_at", TS))
+        batch.add_column(sa.Column("waiting_notified_at", TS))
+    _copy_waiting_times()
+
+
+def _copy_waiting_times() -> None:
+    """Runs waiting now get their wait point's times. Read in Python, as 0002 read the
+    token id: Postgres refuses to take a field out of JSON holding a \\u0000 anywhere.
+    A wait point that holds no readable expiry keeps none: ``tick`` reads such a run
+    in full, as it read every waiting run before."""
+    runs = sa.table(
+        "agentruns_runs",
+        sa.column("key"),
+        sa.column("status"),
+        sa.column("waiting", sa.JSON),
+        sa.column("waiting_expires_at", TS),
+        sa.column("waiting_notified_at", TS),
+    )
+    conn = op.get_bind()
+    keys = [
+        key
+        for (key,) in conn.execute(
+            sa.select(runs.c.key).where(runs.c.status == "waiting").order_by(runs.c.key)
+        )
+    ]
+    for start in range(0, len(keys), _BATCH):
+        batch = keys[start : start + _BATCH]
+        for key, waiting in conn.execute(
+            sa.select(runs.c.key, runs.c.waiting).where(runs.c.key.in_(batch))
+        ):
+            if not isinstance(waiting, dict):
+                continue
+            expires_at = _time(waiting.get("expires_at"))
+            if expires_at is None:
+                continue
+            conn.execute(
+                runs.update()
+                .where(runs.c.key == key)
+                .values(
+                    waiting_expires_at=expires_at,
+                    waiting_notified_at=_time(waiting.get("notified_at")),
+                )
+            )
+
+
+def _time(value: Any) -> datetime | None:
+    """A time as a wait point stores it (ISO 8601), or None if it is not one."""
+    if not isinstance(value, str):
+        return None
+    try:
+        at = datetime.fromisoformat(value)
+    except ValueError:
+        return None
+    return at if at.tzinfo is not None else at.replace(tzinfo=UTC)
+
+
+def downgrade() -> None:
+    with op.batch_alter_table("agentruns_runs") as batch:
+        batch.drop_column("waiting_notified_at")
+        batch.drop_column("waiting_expires_at")

@@ -5,12 +5,14 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 
 import psycopg
@@ -758,6 +760,106 @@ def test_the_hot_statements_find_their_run_by_id_in_a_generic_plan(
         plan = "\n".join(row[0] for row in conn.execute(explain))
     assert "agentruns_runs_id_key" in plan, plan
     assert "agentruns_runs_status" not in plan, plan
+    store.close()
+
+
+def _seed_finished(url: str, key: str | None, count: int) -> None:
+    """``count`` completed runs of ``key``, a day old and older, and fresh statistics."""
+    with psycopg.connect(url.replace("+psycopg", "", 1), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO agentruns_runs (id, agent, status, trigger, concurrency_key,"
+            " created_at, updated_at, finished_at)"
+            " SELECT %(prefix)s || g, 'a', 'completed', '{}', %(key)s,"
+            " now() - interval '1 day' - g * interval '1 s', now(), now()"
+            " FROM generate_series(1, %(count)s) AS g",
+            {"prefix": f"{key}-done-", "key": key, "count": count},
+        )
+        conn.execute("ANALYZE agentruns_runs")
+
+
+def _sent(store: SqlStore, call: Callable[[], object]) -> tuple[str, list[object]]:
+    """The last statement ``call`` made the store send, with ``$n`` parameters."""
+    sent: list[tuple[str, dict[str, object]]] = []
+
+    def seen(conn: object, cursor: object, statement: str, params: object, *_: object) -> None:
+        assert isinstance(params, dict)
+        sent.append((statement, params))
+
+    sa.event.listen(store.engine, "before_cursor_execute", seen)
+    try:
+        call()
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", seen)
+    statement, params = sent[-1]
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    return re.sub(r"%\((\w+)\)s", number, statement), [params[n] for n in names]
+
+
+def _generic_plan(url: str, statement: str, params: list[object]) -> list[dict[str, object]]:
+    """The nodes of the plan a prepared ``statement`` gets when its plan is generic
+    (one plan for any parameters: the planner sees none of their values)."""
+    from psycopg import sql
+
+    with psycopg.connect(url.replace("+psycopg", "", 1), autocommit=True) as conn:
+        conn.execute("SET plan_cache_mode = force_generic_plan")
+        conn.execute(sql.SQL("PREPARE stmt AS {}").format(sql.SQL(statement)))
+        args = sql.SQL(", ").join(sql.Literal(p) for p in params)
+        explain = sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE stmt{}").format(
+            sql.SQL("({})").format(args) if params else sql.SQL("")
+        )
+        row = conn.execute(explain).fetchone()
+    assert row is not None
+    nodes: list[dict[str, object]] = []
+
+    def walk(node: dict[str, object]) -> None:
+        nodes.append(node)
+        for child in node.get("Plans", []):  # type: ignore[attr-defined]
+            walk(child)
+
+    walk(row[0][0]["Plan"])
+    return nodes
+
+
+def _scans(nodes: list[dict[str, object]]) -> set[str]:
+    """The indexes a plan scans, and ``Seq Scan`` if it reads a table of runs in full."""
+    found = {str(n["Index Name"]) for n in nodes if "Index Name" in n}
+    found |= {
+        "Seq Scan"
+        for n in nodes
+        if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == "agentruns_runs"
+    }
+    return found
+
+
+@pytest.mark.parametrize("statement", ["claim", "claimable", "next_queued", "sweep_candidates"])
+def test_a_keys_line_is_read_without_the_runs_it_finished(db_url: str, statement: str) -> None:
+    # A chat thread's runs share its key: with 200k finished ones, a claim took
+    # 41 ms and a sweep 5 s, walking the key's index through all of them.
+    from agentruns.store.postgres import CLAIM
+
+    store = SqlStore(db_url)
+    line = [store.create_run(new_run(key="thread:chat"))[0] for _ in range(3)]
+    _seed_finished(db_url, "thread:chat", 20_000)
+    _seed_finished(db_url, None, 20_000)
+    if statement == "claim":
+        values = {"run_id": line[1].id, "owner": "x", "expires_at": soon(), "now": utcnow()}
+        text_and_params = (CLAIM.text, [values[name] for name in CLAIM.params])
+    else:
+        call = {
+            "claimable": lambda: store.claimable(line[1].id),
+            "next_queued": lambda: store.next_queued("thread:chat"),
+            "sweep_candidates": lambda: store.sweep_candidates(utcnow()),
+        }[statement]
+        text_and_params = _sent(store, call)
+    scans = _scans(_generic_plan(db_url, *text_and_params))
+    assert "agentruns_runs_key_line" in scans and "Seq Scan" not in scans, scans
+    assert "agentruns_runs_key_created" not in scans, scans
     store.close()
 
 

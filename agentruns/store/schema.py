@@ -23,6 +23,12 @@ RunKey = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
 # The longest idempotency key, concurrency key or thread name, in characters.
 KEY_LENGTH = 500
 
+# The statuses of the runs that hold a place in their concurrency key's line: an
+# older run queued, running, or interrupted (by a drain, until recover() requeues
+# it) holds back a newer queued one (see claim.sql).
+LINE = ("queued", "running", "interrupted")
+LINE_WHERE = f"status IN ({', '.join(map(repr, LINE))}) AND concurrency_key IS NOT NULL"
+
 runs = sa.Table(
     "agentruns_runs",
     metadata,
@@ -88,6 +94,19 @@ runs = sa.Table(
     # per-step updates of the run row stay HOT, adding no index entries.
     sa.Index("agentruns_runs_status", "status"),
     sa.Index("agentruns_runs_key_created", "concurrency_key", "created_at"),
+    # The line of each concurrency key: its unfinished runs, oldest first. Claims and
+    # sweeps look for an older run ahead of one, and ``next_queued`` for the first:
+    # through the index above, they walked every run the key ever finished (a chat
+    # thread's whole history). A query names the statuses as here, in literals (see
+    # transactions.py's ``literal``).
+    sa.Index(
+        "agentruns_runs_key_line",
+        "concurrency_key",
+        "created_at",
+        "id",
+        postgresql_where=sa.text(LINE_WHERE),
+        sqlite_where=sa.text(LINE_WHERE),
+    ),
     sa.Index("agentruns_runs_thread", "thread", "finished_at"),
     # Room in each page for the row's next versions, so HOT updates stay in place.
     postgresql_with={"fillfactor": 70},

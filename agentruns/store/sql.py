@@ -49,7 +49,7 @@ from agentruns.store.rows import (
     run_updated,
     step_from_row,
 )
-from agentruns.store.transactions import Transactions, claimable, in_turn
+from agentruns.store.transactions import Transactions, claimable, in_line, in_turn, literal
 
 log = logging.getLogger("agentruns")
 
@@ -468,11 +468,14 @@ class SqlStore:
         to finish, which schedules the next: a long line is not requeued, nor sent an
         execution that can claim nothing, on every sweep)."""
         query = sa.select(R.c.id, R.c.status, R.c.epoch, R.c.updated_at, R.c.claim_expires_at)
+        # The statuses in literals: a generic plan of parameters scanned the table.
         query = query.where(
             sa.or_(
-                R.c.status.in_([RunStatus.INTERRUPTED.value, RunStatus.RUNNING.value]),
+                R.c.status.in_(
+                    [literal(RunStatus.INTERRUPTED.value), literal(RunStatus.RUNNING.value)]
+                ),
                 sa.and_(
-                    R.c.status == RunStatus.QUEUED.value,
+                    R.c.status == literal(RunStatus.QUEUED.value),
                     R.c.updated_at < queued_before,
                     in_turn(),
                 ),
@@ -508,12 +511,14 @@ class SqlStore:
         return run_from_row(row) if row is not None else None
 
     def next_queued(self, concurrency_key: str) -> str | None:
+        """The oldest queued run of the key, by the index of the key's line."""
         with self._reads.connect() as conn:
             row = conn.execute(
                 sa.select(R.c.id)
                 .where(
                     R.c.concurrency_key == concurrency_key,
-                    R.c.status == RunStatus.QUEUED.value,
+                    in_line(R),
+                    R.c.status == literal(RunStatus.QUEUED.value),
                 )
                 .order_by(R.c.created_at, R.c.id)
                 .limit(1)

@@ -92,7 +92,11 @@ runs = sa.Table(
     ),
     # No index names a column that every step writes (updated_at, the counters):
     # per-step updates of the run row stay HOT, adding no index entries.
-    sa.Index("agentruns_runs_status", "status"),
+    # Listing runs newest first, all of them, of a status or of an agent, reads the
+    # newest entries of one of these three; each status's runs are also its sweeps'.
+    sa.Index("agentruns_runs_created", "created_at"),
+    sa.Index("agentruns_runs_status_created", "status", "created_at"),
+    sa.Index("agentruns_runs_agent_created", "agent", "created_at"),
     sa.Index("agentruns_runs_key_created", "concurrency_key", "created_at"),
     # The line of each concurrency key: its unfinished runs, oldest first. Claims and
     # sweeps look for an older run ahead of one, and ``next_queued`` for the first:

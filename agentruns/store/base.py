@@ -172,6 +172,17 @@ class RunRef:
     claim_expires_at: datetime | None
 
 
+@dataclass(frozen=True)
+class RunHead:
+    """Which run, its status, and when it was created and last changed: what a watcher
+    compares between looks, before it reads a run in full."""
+
+    id: str
+    status: RunStatus
+    created_at: datetime
+    updated_at: datetime
+
+
 class Writes(Protocol):
     """The writes every run makes, as a store's backend performs them; rows are the
     run table's columns (``claim`` adds the stored ``messages``)."""
@@ -197,6 +208,7 @@ class Store(Protocol):
     def list_runs(
         self, status: RunStatus | None = None, agent: str | None = None, limit: int = 100
     ) -> list[Run]: ...
+    def run_heads(self, status: RunStatus | None = None, limit: int = 100) -> list[RunHead]: ...
     def steps(self, run_id: str) -> list[Step]: ...
     def checkpoint(self, run_id: str) -> Checkpoint | None: ...
     def transcript(self, run_id: str) -> Transcript: ...

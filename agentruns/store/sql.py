@@ -35,6 +35,7 @@ from agentruns.store.base import (
     EffectRecord,
     Guard,
     NewRun,
+    RunHead,
     RunRef,
     Transcript,
     Writes,
@@ -182,18 +183,24 @@ class SqlStore:
     def list_runs(
         self, status: RunStatus | None = None, agent: str | None = None, limit: int = 100
     ) -> list[Run]:
-        """The newest runs first, of a status and an agent if given, each through an
-        index on its creation time (schema.py)."""
-        query = sa.select(R).order_by(R.c.created_at.desc(), R.c.id).limit(limit)
-        if status is not None:
-            # In a literal, the planner weighs the status by its share of the runs:
-            # with a parameter's, a prepared statement's generic plan read the
-            # creation times of all runs backwards for the few waiting ones.
-            query = query.where(R.c.status == literal(RunStatus(status).value))
-        if agent is not None:
-            query = query.where(R.c.agent == agent)
+        """The newest runs first, of a status and an agent if given."""
         with self._reads.connect() as conn:
-            return _readable(conn.execute(query).mappings())
+            return _readable(conn.execute(_newest(sa.select(R), status, agent, limit)).mappings())
+
+    def run_heads(self, status: RunStatus | None = None, limit: int = 100) -> list[RunHead]:
+        """As ``list_runs``, only the id, status and times of each run (a watcher's look)."""
+        columns = sa.select(R.c.id, R.c.status, R.c.created_at, R.c.updated_at)
+        heads = []
+        with self._reads.connect() as conn:
+            for row in conn.execute(_newest(columns, status, None, limit)):
+                try:
+                    run_status = RunStatus(row.status)
+                except ValueError:
+                    continue  # damaged by hand: list_runs skips it too, saying so
+                created = aware(row.created_at) or utcnow()  # (never None: NOT NULL)
+                updated = aware(row.updated_at) or utcnow()
+                heads.append(RunHead(row.id, run_status, created, updated))
+        return heads
 
     def steps(self, run_id: str) -> list[Step]:
         with self._reads.connect() as conn:
@@ -552,6 +559,20 @@ class SqlStore:
         )
         with self._reads.connect() as conn:
             return [run_id for (run_id,) in conn.execute(query)]
+
+
+def _newest(query: Any, status: RunStatus | None, agent: str | None, limit: int) -> Any:
+    """``query`` for the newest runs first, of a status and an agent if given: each
+    through an index on the creation time (schema.py)."""
+    query = query.order_by(R.c.created_at.desc(), R.c.id).limit(limit)
+    if status is not None:
+        # In a literal, the planner weighs the status by its share of the runs:
+        # with a parameter's, a prepared statement's generic plan read the
+        # creation times of all runs backwards for the few waiting ones.
+        query = query.where(R.c.status == literal(RunStatus(status).value))
+    if agent is not None:
+        query = query.where(R.c.agent == agent)
+    return query
 
 
 def _readable(rows: Iterable[RowMapping]) -> list[Run]:

@@ -16,8 +16,8 @@ import pytest
 import redis
 
 from agentruns.leases import Leases, LocalLeases, RedisLeases
+from tests.conftest import REDIS_URL
 
-REDIS_URL = "redis://127.0.0.1:6379/0"
 ROOT = Path(__file__).resolve().parents[1]
 
 

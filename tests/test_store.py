@@ -5,12 +5,14 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
 import uuid
 import weakref
+from collections.abc import Callable
 from datetime import timedelta
 
 import psycopg
@@ -24,6 +26,7 @@ from agentruns.migrations import HEAD, REVISIONS, current_revision
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
+from agentruns.store.rows import aware
 from tests.conftest import PG_ADMIN, drop_connections, free_port, wait_for
 
 
@@ -234,6 +237,56 @@ def test_a_thread_stored_before_0002_is_continued_after_it(empty_pg: str, tmp_pa
             assert checkpoint is not None and checkpoint.messages[:2] == bodies
         finally:
             agentruns.close()
+
+
+def test_a_run_waiting_before_0003_gets_its_wait_points_times(
+    empty_pg: str, tmp_path: object
+) -> None:
+    # tick decides by these columns: a waiting run without them is read in full.
+    from alembic import command
+
+    from agentruns.migrate import _config
+    from agentruns.store.schema import runs
+
+    expires, notified = utcnow() + timedelta(hours=1), utcnow()
+    wait = {"token_id": "t1", "input": "\x00", "expires_at": expires.isoformat()}
+    waits = {
+        "notified": {**wait, "notified_at": notified.isoformat().replace("+00:00", "Z")},
+        "pending": wait,
+        "damaged": {"token_id": "t2", "expires_at": "soon"},
+    }
+    for url in (empty_pg, f"sqlite:///{tmp_path}/old.db"):
+        engine = sa.create_engine(url)
+        with engine.begin() as conn:
+            config = _config()
+            config.attributes["connection"] = conn
+            command.upgrade(config, "0002")
+            for run_id, waiting in waits.items():
+                conn.execute(
+                    sa.text(
+                        "INSERT INTO agentruns_runs (id, agent, status, trigger, waiting,"
+                        " waiting_token, created_at, updated_at) VALUES (:id, 'a', 'waiting',"
+                        " '{}', :waiting, 't', :now, :now)"
+                    ),
+                    {"id": run_id, "now": utcnow(), "waiting": json.dumps(waiting)},
+                )
+        engine.dispose()
+        migrate(url)
+        store = SqlStore(url)
+        with store.engine.connect() as conn:
+            c = runs.c
+            rows = conn.execute(sa.select(c.id, c.waiting_expires_at, c.waiting_notified_at))
+            times = {
+                r.id: (aware(r.waiting_expires_at), aware(r.waiting_notified_at)) for r in rows
+            }
+        assert times == {
+            "notified": (expires, notified),
+            "pending": (expires, None),
+            "damaged": (None, None),
+        }, url
+        # The one not notified, and the one whose columns say nothing, are due.
+        assert sorted(store.waits_due(utcnow(), ["a"])) == ["damaged", "pending"]
+        store.close()
 
 
 def test_postgres_connections_give_up_on_a_server_gone_silent(db_url: str) -> None:
@@ -707,6 +760,154 @@ def test_the_hot_statements_find_their_run_by_id_in_a_generic_plan(
         plan = "\n".join(row[0] for row in conn.execute(explain))
     assert "agentruns_runs_id_key" in plan, plan
     assert "agentruns_runs_status" not in plan, plan
+    store.close()
+
+
+def _seed_finished(url: str, key: str | None, count: int) -> None:
+    """``count`` completed runs of ``key``, a day old and older, and fresh statistics."""
+    with psycopg.connect(url.replace("+psycopg", "", 1), autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO agentruns_runs (id, agent, status, trigger, concurrency_key,"
+            " created_at, updated_at, finished_at)"
+            " SELECT %(prefix)s || g, 'a', 'completed', '{}', %(key)s,"
+            " now() - interval '1 day' - g * interval '1 s', now(), now()"
+            " FROM generate_series(1, %(count)s) AS g",
+            {"prefix": f"{key}-done-", "key": key, "count": count},
+        )
+        conn.execute("ANALYZE agentruns_runs")
+
+
+def _sent(store: SqlStore, call: Callable[[], object]) -> tuple[str, list[object]]:
+    """The last statement ``call`` made the store send, with ``$n`` parameters."""
+    sent: list[tuple[str, dict[str, object]]] = []
+
+    def seen(conn: object, cursor: object, statement: str, params: object, *_: object) -> None:
+        assert isinstance(params, dict)
+        sent.append((statement, params))
+
+    sa.event.listen(store.engine, "before_cursor_execute", seen)
+    try:
+        call()
+    finally:
+        sa.event.remove(store.engine, "before_cursor_execute", seen)
+    statement, params = sent[-1]
+    names: list[str] = []
+
+    def number(match: re.Match[str]) -> str:
+        if match.group(1) not in names:
+            names.append(match.group(1))
+        return f"${names.index(match.group(1)) + 1}"
+
+    return re.sub(r"%\((\w+)\)s", number, statement), [params[n] for n in names]
+
+
+def _plan(
+    url: str, statement: str, params: list[object], generic: bool = True
+) -> list[dict[str, object]]:
+    """The nodes of the plan a prepared ``statement`` gets: generic by default (one
+    plan for any parameters: the planner sees none of their values), else custom."""
+    from psycopg import sql
+
+    with psycopg.connect(url.replace("+psycopg", "", 1), autocommit=True) as conn:
+        mode = "force_generic_plan" if generic else "force_custom_plan"
+        conn.execute(sql.SQL("SET plan_cache_mode = {}").format(sql.SQL(mode)))
+        conn.execute(sql.SQL("PREPARE stmt AS {}").format(sql.SQL(statement)))
+        args = sql.SQL(", ").join(sql.Literal(p) for p in params)
+        explain = sql.SQL("EXPLAIN (FORMAT JSON) EXECUTE stmt{}").format(
+            sql.SQL("({})").format(args) if params else sql.SQL("")
+        )
+        row = conn.execute(explain).fetchone()
+    assert row is not None
+    nodes: list[dict[str, object]] = []
+
+    def walk(node: dict[str, object]) -> None:
+        nodes.append(node)
+        for child in node.get("Plans", []):  # type: ignore[attr-defined]
+            walk(child)
+
+    walk(row[0][0]["Plan"])
+    return nodes
+
+
+def _scans(nodes: list[dict[str, object]]) -> set[str]:
+    """The indexes a plan scans, and ``Seq Scan`` if it reads a table of runs in full."""
+    found = {str(n["Index Name"]) for n in nodes if "Index Name" in n}
+    found |= {
+        "Seq Scan"
+        for n in nodes
+        if n["Node Type"] == "Seq Scan" and n.get("Relation Name") == "agentruns_runs"
+    }
+    return found
+
+
+@pytest.mark.parametrize("statement", ["claim", "claimable", "next_queued", "sweep_candidates"])
+def test_a_keys_line_is_read_without_the_runs_it_finished(db_url: str, statement: str) -> None:
+    # A chat thread's runs share its key: with 200k finished ones, a claim took
+    # 41 ms and a sweep 5 s, walking the key's index through all of them.
+    from agentruns.store.postgres import CLAIM
+
+    store = SqlStore(db_url)
+    line = [store.create_run(new_run(key="thread:chat"))[0] for _ in range(3)]
+    _seed_finished(db_url, "thread:chat", 20_000)
+    _seed_finished(db_url, None, 20_000)
+    if statement == "claim":
+        values = {"run_id": line[1].id, "owner": "x", "expires_at": soon(), "now": utcnow()}
+        text_and_params = (CLAIM.text, [values[name] for name in CLAIM.params])
+    else:
+        call = {
+            "claimable": lambda: store.claimable(line[1].id),
+            "next_queued": lambda: store.next_queued("thread:chat"),
+            "sweep_candidates": lambda: store.sweep_candidates(utcnow()),
+        }[statement]
+        text_and_params = _sent(store, call)
+    scans = _scans(_plan(db_url, *text_and_params))
+    assert "agentruns_runs_key_line" in scans and "Seq Scan" not in scans, scans
+    assert "agentruns_runs_key_created" not in scans, scans
+    store.close()
+
+
+@pytest.mark.parametrize(
+    ("listing", "index"),
+    [
+        ({}, "agentruns_runs_created"),
+        ({"status": RunStatus.QUEUED}, "agentruns_runs_status_created"),
+        ({"status": RunStatus.QUEUED, "agent": "a"}, "agentruns_runs_status_created"),
+        ({"agent": "rare"}, "agentruns_runs_agent_created"),
+    ],
+)
+def test_runs_are_listed_newest_first_through_an_index(
+    db_url: str, listing: dict[str, object], index: str
+) -> None:
+    # `agentruns runs` read the whole table and sorted it: 86 ms at 231k runs.
+    store = SqlStore(db_url)
+    queued = [store.create_run(new_run())[0] for _ in range(3)]
+    _seed_finished(db_url, None, 20_000)
+    statement, params = _sent(store, lambda: store.list_runs(**listing))  # type: ignore[arg-type]
+    # An agent is a parameter: only a custom plan (the first few of a connection,
+    # and every one of `agentruns runs`) sees which, and how rare it is.
+    scans = _scans(_plan(db_url, statement, params, generic="agent" not in listing))
+    assert index in scans and "Seq Scan" not in scans, scans
+    if listing == {"status": RunStatus.QUEUED}:
+        assert store.list_runs(**listing) == list(reversed(queued))  # type: ignore[arg-type]
+    store.close()
+
+
+@pytest.mark.parametrize("read", ["waits_due", "sweep_candidates"])
+def test_the_runs_of_a_status_are_read_through_its_index_in_a_generic_plan(
+    db_url: str, read: str
+) -> None:
+    # With its status as a parameter, tick's read of the waiting runs went through
+    # the whole table in the primary key's order.
+    store = SqlStore(db_url)
+    store.create_run(new_run())
+    _seed_finished(db_url, None, 20_000)
+    call = {
+        "waits_due": lambda: store.waits_due(utcnow(), ["a"]),
+        "sweep_candidates": lambda: store.sweep_candidates(utcnow()),
+    }[read]
+    scans = _scans(_plan(db_url, *_sent(store, call)))
+    assert "agentruns_runs_status_created" in scans and "Seq Scan" not in scans, scans
+    assert "agentruns_runs_pkey" not in scans, scans
     store.close()
 
 

@@ -9,16 +9,19 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
+import pytest
 import redis
 
-from agentruns import Agent, Engine, LocalLeases, RedisLeases, RunStatus, SqlStore, tool
+from agentruns import Agent, Engine, LocalLeases, RedisLeases, Run, RunStatus, SqlStore, tool
 from agentruns.broadcast import channel, subscribe, summary
 from agentruns.cli.session import Session
-from agentruns.cli.watch import _Follower
+from agentruns.cli.watch import _Follower, _runs
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
 from agentruns.settings import Settings
+from agentruns.store import sql
 from agentruns.wiring import engine_from_settings
 from tests.conftest import REDIS_URL, trigger
 
@@ -150,6 +153,45 @@ def test_a_watcher_forgets_settled_runs_that_left_its_window(sqlite_url: str) ->
         follower.poll([engine.get_run(later.id)], baseline=False)  # the others left
         assert set(follower.status) == set(follower.updated) == set(follower.steps) == {later.id}
         assert follower.started == {}
+    finally:
+        engine.close()
+
+
+def test_a_watchers_look_reads_in_full_only_the_runs_whose_status_it_shows(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each look (each batch of events) read up to 1000 runs of each active status in
+    # full, tool inputs of wait points and all: 1000 runs waiting on 100 KB inputs
+    # took 0.25 s and 300 MB per look.
+    engine = Engine(
+        SqlStore(sqlite_url),
+        leases=LocalLeases(),
+        scheduler=ManualScheduler(),
+        agents=[Agent("a", ScriptedModel([text("ok")]))],
+        secret="s",
+    )
+    try:
+        out = io.StringIO()
+        follower = _Follower(Session(as_json=False, out=out), engine, history=False)
+        runs = [engine.dispatch("a", trigger({})) for _ in range(3)]
+        follower.poll(_runs(engine, None), baseline=True)
+        read: list[str] = []
+        run_from_row = sql.run_from_row
+
+        def reading(row: Any) -> Run:
+            read.append(row["id"])
+            return run_from_row(row)
+
+        monkeypatch.setattr(sql, "run_from_row", reading)
+        follower.poll(_runs(engine, None), baseline=False)
+        assert read == []  # nothing changed
+        engine.execute(runs[0].id)
+        read.clear()
+        follower.poll(_runs(engine, None), baseline=False)
+        assert read == [runs[0].id]
+        lines = [line.split() for line in out.getvalue().splitlines()]
+        shown = [(words[2], words[3].rstrip(":")) for words in lines if words[1] == "run"]
+        assert shown == [*((r.id, "queued") for r in runs), (runs[0].id, "completed")], lines
     finally:
         engine.close()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -17,7 +17,9 @@ from agentruns.broadcast import subscribe
 from agentruns.cli import render
 from agentruns.cli.session import Session
 from agentruns.engine import Engine
+from agentruns.errors import RunNotFoundError
 from agentruns.runs import Run, RunStatus, Step, utcnow
+from agentruns.store.base import RunHead
 
 ACTIVE = [RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.WAITING, RunStatus.INTERRUPTED]
 
@@ -39,35 +41,52 @@ class _Follower:
         else:
             self.session.emit(line)
 
-    def poll(self, runs: list[Run], baseline: bool) -> None:
-        for run in sorted(runs, key=lambda r: r.created_at):
-            if self.updated.get(run.id) == run.updated_at:
+    def poll(self, looked: Sequence[Run | RunHead], baseline: bool) -> None:
+        """Show what changed in the runs of a look. A run is read in full only when its
+        status line is shown: its wait point, say, may hold a tool's large input."""
+        for head in sorted(looked, key=lambda r: r.created_at):
+            if self.updated.get(head.id) == head.updated_at:
                 continue
-            self.updated[run.id] = run.updated_at
-            new = run.id not in self.status
-            if baseline and run.status.is_final and not self.history:
-                self.status[run.id] = run.status
+            new = head.id not in self.status
+            if baseline and head.status.is_final and not self.history:
+                self.updated[head.id] = head.updated_at
+                self.status[head.id] = head.status
                 continue
-            steps = self.engine.steps(run.id)
-            if new and not self.history:
-                self.steps[run.id] = len(steps) if baseline else 0
-            changed = new or self.status[run.id] != run.status
-            started = self.started.pop(run.id, None)
-            # An execution's steps come after it starts running and before it settles.
-            if changed and run.status is RunStatus.RUNNING:
-                self._run(run)
-            elif started is not None and changed and self.status.get(run.id) != RunStatus.RUNNING:
-                # It started and settled between two looks: an event said it ran.
-                self._run(_as_running(run, started))
-            for step in steps[self.steps.get(run.id, 0) :]:
-                self._step(step)
-            self.steps[run.id] = len(steps)
-            if changed and run.status is not RunStatus.RUNNING:
-                self._run(run)
-            self.status[run.id] = run.status
-        self._forget(runs)
+            if new or self.status[head.id] != head.status or head.id in self.started:
+                try:
+                    run = head if isinstance(head, Run) else self.engine.get_run(head.id)
+                except RunNotFoundError:
+                    continue  # deleted by hand since the look
+                self._show(run, new, baseline)
+            else:  # the status shown still holds: only its new steps, if any
+                self.updated[head.id] = head.updated_at
+                self._show_steps(head.id, self.engine.steps(head.id))
+        self._forget(looked)
 
-    def _forget(self, runs: list[Run]) -> None:
+    def _show(self, run: Run, new: bool, baseline: bool) -> None:
+        self.updated[run.id] = run.updated_at
+        steps = self.engine.steps(run.id)
+        if new and not self.history:
+            self.steps[run.id] = len(steps) if baseline else 0
+        changed = new or self.status[run.id] != run.status
+        started = self.started.pop(run.id, None)
+        # An execution's steps come after it starts running and before it settles.
+        if changed and run.status is RunStatus.RUNNING:
+            self._run(run)
+        elif started is not None and changed and self.status.get(run.id) != RunStatus.RUNNING:
+            # It started and settled between two looks: an event said it ran.
+            self._run(_as_running(run, started))
+        self._show_steps(run.id, steps)
+        if changed and run.status is not RunStatus.RUNNING:
+            self._run(run)
+        self.status[run.id] = run.status
+
+    def _show_steps(self, run_id: str, steps: list[Step]) -> None:
+        for step in steps[self.steps.get(run_id, 0) :]:
+            self._step(step)
+        self.steps[run_id] = len(steps)
+
+    def _forget(self, runs: Sequence[Run | RunHead]) -> None:
         """Keep only what a later look can need (a watcher may run for months): a run
         that left the watched window settled never changes again, and a start heard
         of a run the look did not show is another deployment's."""
@@ -137,12 +156,13 @@ def _as_running(run: Run, since: datetime) -> Run:
     )
 
 
-def _runs(engine: Engine, run_id: str | None) -> list[Run]:
+def _runs(engine: Engine, run_id: str | None) -> list[Run | RunHead]:
+    """A look: the newest runs and every active one, as heads (read in full only if shown)."""
     if run_id is not None:
         return [engine.get_run(run_id)]
-    found = {r.id: r for r in engine.list_runs(limit=100)}
+    found: dict[str, Run | RunHead] = {r.id: r for r in engine.store.run_heads(limit=100)}
     for status in ACTIVE:
-        found.update((r.id, r) for r in engine.list_runs(status=status, limit=1000))
+        found.update((r.id, r) for r in engine.store.run_heads(status, limit=1000))
     return list(found.values())
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -110,6 +111,16 @@ class Commit:
     durable: bool = True
 
 
+def waiting_columns(waiting: WaitPoint | None) -> dict[str, Any]:
+    """The columns beside the wait point's JSON that hold what is read of it without
+    reading it (by name after ``waiting_``): all None for no wait point."""
+    return {
+        "token": waiting.token_id if waiting is not None else None,
+        "expires_at": waiting.expires_at if waiting is not None else None,
+        "notified_at": waiting.notified_at if waiting is not None else None,
+    }
+
+
 @dataclass(frozen=True)
 class Committed:
     run: Run
@@ -161,6 +172,17 @@ class RunRef:
     claim_expires_at: datetime | None
 
 
+@dataclass(frozen=True)
+class RunHead:
+    """Which run, its status, and when it was created and last changed: what a watcher
+    compares between looks, before it reads a run in full."""
+
+    id: str
+    status: RunStatus
+    created_at: datetime
+    updated_at: datetime
+
+
 class Writes(Protocol):
     """The writes every run makes, as a store's backend performs them; rows are the
     run table's columns (``claim`` adds the stored ``messages``)."""
@@ -186,6 +208,7 @@ class Store(Protocol):
     def list_runs(
         self, status: RunStatus | None = None, agent: str | None = None, limit: int = 100
     ) -> list[Run]: ...
+    def run_heads(self, status: RunStatus | None = None, limit: int = 100) -> list[RunHead]: ...
     def steps(self, run_id: str) -> list[Step]: ...
     def checkpoint(self, run_id: str) -> Checkpoint | None: ...
     def transcript(self, run_id: str) -> Transcript: ...
@@ -209,5 +232,5 @@ class Store(Protocol):
     def sweep_candidates(self, queued_before: datetime) -> list[RunRef]: ...
     def requeue(self, ref: RunRef) -> Run | None: ...
     def next_queued(self, concurrency_key: str) -> str | None: ...
-    def wait_points(self) -> list[tuple[str, WaitPoint]]: ...
+    def waits_due(self, now: datetime, notifying: Collection[str]) -> list[str]: ...
     def close(self) -> None: ...

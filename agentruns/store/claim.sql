@@ -15,14 +15,16 @@ WITH RECURSIVE run AS (
         claim_expires_at = %(expires_at)s,
         started_at = COALESCE(r.started_at, %(now)s),
         updated_at = %(now)s
-    -- By the id's unique index and the key's index, never the status index (see
-    -- commit.sql): there may be many queued runs.
+    -- The run by the id's unique index, never the status index (see commit.sql):
+    -- there may be many queued runs. The older ones by the index of the key's line
+    -- (agentruns_runs_key_line), whose predicate this repeats: not the key's whole
+    -- history, which a long-lived thread makes long.
     WHERE r.id = %(run_id)s
       AND COALESCE(r.status, '') = 'queued'
       AND (r.concurrency_key IS NULL OR NOT EXISTS (
             SELECT 1 FROM agentruns_runs AS older
             WHERE older.concurrency_key = r.concurrency_key
-              AND COALESCE(older.status, '') IN ('queued', 'running', 'interrupted')
+              AND older.status IN ('queued', 'running', 'interrupted')
               AND (older.created_at, older.id) < (r.created_at, r.id)))
     RETURNING r.*
 )

@@ -32,6 +32,12 @@ AGENT_NAME_LENGTH = 200
 # The longest tool call id (a model's; the Messages API's are about 30 characters).
 TOOL_CALL_ID_LENGTH = 200
 
+# The statuses of the runs that hold a place in their concurrency key's line: an
+# older run queued, running, or interrupted (by a drain, until recover() requeues
+# it) holds back a newer queued one (see claim.sql).
+LINE = ("queued", "running", "interrupted")
+LINE_WHERE = f"status IN ({', '.join(map(repr, LINE))}) AND concurrency_key IS NOT NULL"
+
 runs = sa.Table(
     "agentruns_runs",
     metadata,
@@ -65,6 +71,11 @@ runs = sa.Table(
     # The waiting wait point's token id, which a resume's guard compares: read out
     # of the JSON, a \u0000 anywhere in the tool's input made Postgres refuse it.
     sa.Column("waiting_token", sa.String(64)),
+    # And its expiry and when it was announced, which ``tick`` decides by: reading
+    # the JSON (the tool's input) of every waiting run every few seconds cost more
+    # than all the rest of a tick. NULL expiry: stored by a release before 0003.
+    sa.Column("waiting_expires_at", TS),
+    sa.Column("waiting_notified_at", TS),
     sa.Column("claim_owner", sa.String(200)),
     sa.Column("claim_expires_at", TS),
     sa.Column("cancel_requested", sa.Boolean, nullable=False, server_default=sa.false()),
@@ -90,8 +101,25 @@ runs = sa.Table(
     ),
     # No index names a column that every step writes (updated_at, the counters):
     # per-step updates of the run row stay HOT, adding no index entries.
-    sa.Index("agentruns_runs_status", "status"),
+    # Listing runs newest first, all of them, of a status or of an agent, reads the
+    # newest entries of one of these three; each status's runs are also its sweeps'.
+    sa.Index("agentruns_runs_created", "created_at"),
+    sa.Index("agentruns_runs_status_created", "status", "created_at"),
+    sa.Index("agentruns_runs_agent_created", "agent", "created_at"),
     sa.Index("agentruns_runs_key_created", "concurrency_key", "created_at"),
+    # The line of each concurrency key: its unfinished runs, oldest first. Claims and
+    # sweeps look for an older run ahead of one, and ``next_queued`` for the first:
+    # through the index above, they walked every run the key ever finished (a chat
+    # thread's whole history). A query names the statuses as here, in literals (see
+    # transactions.py's ``literal``).
+    sa.Index(
+        "agentruns_runs_key_line",
+        "concurrency_key",
+        "created_at",
+        "id",
+        postgresql_where=sa.text(LINE_WHERE),
+        sqlite_where=sa.text(LINE_WHERE),
+    ),
     sa.Index("agentruns_runs_thread", "thread", "finished_at"),
     # Room in each page for the row's next versions, so HOT updates stay in place.
     postgresql_with={"fillfactor": 70},

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from datetime import datetime
 from typing import Any
 
@@ -25,7 +25,6 @@ from agentruns.runs import (
     Run,
     RunStatus,
     Step,
-    WaitPoint,
     utcnow,
 )
 from agentruns.store import history, schema
@@ -36,6 +35,7 @@ from agentruns.store.base import (
     EffectRecord,
     Guard,
     NewRun,
+    RunHead,
     RunRef,
     Transcript,
     Writes,
@@ -50,7 +50,7 @@ from agentruns.store.rows import (
     run_updated,
     step_from_row,
 )
-from agentruns.store.transactions import Transactions, claimable, in_turn
+from agentruns.store.transactions import Transactions, claimable, in_line, in_turn, literal
 
 log = logging.getLogger("agentruns")
 
@@ -183,13 +183,24 @@ class SqlStore:
     def list_runs(
         self, status: RunStatus | None = None, agent: str | None = None, limit: int = 100
     ) -> list[Run]:
-        query = sa.select(R).order_by(R.c.created_at.desc(), R.c.id).limit(limit)
-        if status is not None:
-            query = query.where(R.c.status == RunStatus(status).value)
-        if agent is not None:
-            query = query.where(R.c.agent == agent)
+        """The newest runs first, of a status and an agent if given."""
         with self._reads.connect() as conn:
-            return _readable(conn.execute(query).mappings())
+            return _readable(conn.execute(_newest(sa.select(R), status, agent, limit)).mappings())
+
+    def run_heads(self, status: RunStatus | None = None, limit: int = 100) -> list[RunHead]:
+        """As ``list_runs``, only the id, status and times of each run (a watcher's look)."""
+        columns = sa.select(R.c.id, R.c.status, R.c.created_at, R.c.updated_at)
+        heads = []
+        with self._reads.connect() as conn:
+            for row in conn.execute(_newest(columns, status, None, limit)):
+                try:
+                    run_status = RunStatus(row.status)
+                except ValueError:
+                    continue  # damaged by hand: list_runs skips it too, saying so
+                created = aware(row.created_at) or utcnow()  # (never None: NOT NULL)
+                updated = aware(row.updated_at) or utcnow()
+                heads.append(RunHead(row.id, run_status, created, updated))
+        return heads
 
     def steps(self, run_id: str) -> list[Step]:
         with self._reads.connect() as conn:
@@ -371,6 +382,8 @@ class SqlStore:
                         cancel_requested=sa.case((running, True), else_=R.c.cancel_requested),
                         waiting=unless_running(sa.null(), R.c.waiting),
                         waiting_token=unless_running(sa.null(), R.c.waiting_token),
+                        waiting_expires_at=unless_running(sa.null(), R.c.waiting_expires_at),
+                        waiting_notified_at=unless_running(sa.null(), R.c.waiting_notified_at),
                         claim_owner=unless_running(sa.null(), R.c.claim_owner),
                         claim_expires_at=unless_running(sa.null(), R.c.claim_expires_at),
                         updated_at=now,
@@ -467,11 +480,14 @@ class SqlStore:
         to finish, which schedules the next: a long line is not requeued, nor sent an
         execution that can claim nothing, on every sweep)."""
         query = sa.select(R.c.id, R.c.status, R.c.epoch, R.c.updated_at, R.c.claim_expires_at)
+        # The statuses in literals: a generic plan of parameters scanned the table.
         query = query.where(
             sa.or_(
-                R.c.status.in_([RunStatus.INTERRUPTED.value, RunStatus.RUNNING.value]),
+                R.c.status.in_(
+                    [literal(RunStatus.INTERRUPTED.value), literal(RunStatus.RUNNING.value)]
+                ),
                 sa.and_(
-                    R.c.status == RunStatus.QUEUED.value,
+                    R.c.status == literal(RunStatus.QUEUED.value),
                     R.c.updated_at < queued_before,
                     in_turn(),
                 ),
@@ -507,34 +523,56 @@ class SqlStore:
         return run_from_row(row) if row is not None else None
 
     def next_queued(self, concurrency_key: str) -> str | None:
+        """The oldest queued run of the key, by the index of the key's line."""
         with self._reads.connect() as conn:
             row = conn.execute(
                 sa.select(R.c.id)
                 .where(
                     R.c.concurrency_key == concurrency_key,
-                    R.c.status == RunStatus.QUEUED.value,
+                    in_line(R),
+                    R.c.status == literal(RunStatus.QUEUED.value),
                 )
                 .order_by(R.c.created_at, R.c.id)
                 .limit(1)
             ).first()
             return row[0] if row else None
 
-    def wait_points(self) -> list[tuple[str, WaitPoint]]:
-        """The waiting runs' ids and wait points, and nothing else of them: ``tick``
-        reads them all every few seconds, and acts on few."""
+    def waits_due(self, now: datetime, notifying: Collection[str]) -> list[str]:
+        """The waiting runs ``tick`` has something to do for at ``now``: expired, or not
+        yet announced and of an agent with a notifier (named in ``notifying``). Decided
+        by the wait point's columns, never its JSON: a tick reads them all every few
+        seconds, and acts on few. A run whose columns hold no expiry (stored by a
+        release before 0003, or edited by hand) is due: its wait point decides."""
         query = (
-            sa.select(R.c.id, R.c.waiting)
-            .where(R.c.status == RunStatus.WAITING.value)
-            .order_by(R.c.key)
+            sa.select(R.c.id)
+            .where(
+                # In a literal, as list_runs' status: a generic plan of a parameter
+                # read the whole table in the primary key's order.
+                R.c.status == literal(RunStatus.WAITING.value),
+                sa.or_(
+                    R.c.waiting_expires_at.is_(None),
+                    R.c.waiting_expires_at <= now,
+                    sa.and_(R.c.waiting_notified_at.is_(None), R.c.agent.in_(list(notifying))),
+                ),
+            )
+            .order_by(R.c.created_at)
         )
-        found = []
         with self._reads.connect() as conn:
-            for run_id, waiting in conn.execute(query):
-                try:
-                    found.append((run_id, WaitPoint.model_validate(waiting)))
-                except ValueError:
-                    continue  # a hand-damaged row: reading it in full says so (rows.py)
-        return found
+            return [run_id for (run_id,) in conn.execute(query)]
+
+
+def _newest(query: Any, status: RunStatus | None, agent: str | None, limit: int) -> Any:
+    """``query`` for the newest runs first, of a status and an agent if given: each
+    through an index on the creation time (schema.py)."""
+    query = query.order_by(R.c.created_at.desc(), R.c.id).limit(limit)
+    if status is not None:
+        # In a literal, the planner weighs the status by its share of the runs:
+        # with a parameter's, a prepared statement's generic plan read the
+        # creation times of all runs backwards for the few waiting ones.
+        query = query.where(R.c.status == literal(RunStatus(status).value))
+    if agent is not None:
+        query = query.where(R.c.agent == agent)
+    return query
 
 
 def _readable(rows: Iterable[RowMapping]) -> list[Run]:

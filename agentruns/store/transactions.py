@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 
 from agentruns.runs import RunStatus
 from agentruns.store import history, schema
-from agentruns.store.base import _UNSET, Commit, Guard, NewRun
+from agentruns.store.base import _UNSET, Commit, Guard, NewRun, waiting_columns
 
 R = schema.runs
 S = schema.steps
@@ -110,9 +110,16 @@ class Transactions:
         """Nothing to give back: each write checks its connection out and in again."""
 
 
-# The older runs of a concurrency key that hold back a newer queued one (see
-# claim.sql): queued, running, and interrupted by a drain until recover() requeues it.
-_AHEAD = (RunStatus.QUEUED.value, RunStatus.RUNNING.value, RunStatus.INTERRUPTED.value)
+def literal(value: str) -> Any:
+    """A value written into the statement, not sent as a parameter: the planner
+    matches a query to a partial index's predicate only by values it sees, and a
+    prepared statement's generic plan sees no parameter's."""
+    return sa.bindparam(None, value, literal_execute=True)
+
+
+def in_line(table: Any) -> Any:
+    """The run holds a place in its concurrency key's line (the line's index predicate)."""
+    return table.c.status.in_([literal(status) for status in schema.LINE])
 
 
 def in_turn() -> Any:
@@ -121,11 +128,10 @@ def in_turn() -> Any:
     no_older = ~sa.exists(
         sa.select(older.c.id).where(
             older.c.concurrency_key == R.c.concurrency_key,
-            older.c.status.in_(_AHEAD),
-            sa.or_(
-                older.c.created_at < R.c.created_at,
-                sa.and_(older.c.created_at == R.c.created_at, older.c.id < R.c.id),
-            ),
+            in_line(older),
+            # As a row comparison, the index bounds its scan by it (as an OR, it went
+            # through the key's whole line, for each queued run a sweep looked at).
+            sa.tuple_(older.c.created_at, older.c.id) < sa.tuple_(R.c.created_at, R.c.id),
         )
     )
     return sa.or_(R.c.concurrency_key.is_(None), no_older)
@@ -138,7 +144,7 @@ def claimable(run_id: str) -> Any:
     key_free = ~sa.exists(
         sa.select(running.c.id).where(
             running.c.concurrency_key == R.c.concurrency_key,
-            running.c.status == RunStatus.RUNNING.value,
+            running.c.status == literal(RunStatus.RUNNING.value),
         )
     )
     return sa.select(R.c.id).where(
@@ -203,7 +209,8 @@ def _changes(commit: Commit, now: datetime) -> dict[str, Any]:
     if commit.error is not None:
         values["error"] = commit.error.model_dump(mode="json")
     if commit.waiting is not _UNSET:
-        values["waiting_token"] = commit.waiting.token_id if commit.waiting is not None else None
+        for name, value in waiting_columns(commit.waiting).items():
+            values[f"waiting_{name}"] = value
         values["waiting"] = (
             commit.waiting.model_dump(mode="json") if commit.waiting is not None else None
         )

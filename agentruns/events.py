@@ -156,13 +156,7 @@ class Events:
             return
         later = self._local.later = []
         try:
-            self._drain(queue, later)
-            while later:
-                held = later.pop(0)
-                try:
-                    self._drain(held, later)
-                finally:
-                    self._let_go(held)
+            self._drain(queue, later)  # and, after each event, what its listeners caused
         except BaseException:
             for held in later:  # the process is stopping: what was left goes
                 self._drop(held)

@@ -424,6 +424,15 @@ def test_idle_waits_for_an_execute_called_directly_until_its_notifier_returns(
     executing.join(5)
 
 
+def assert_in_commit_order(seen: list[Run]) -> None:
+    """A listener's run.updated events of an answered run, as they happened: the
+    pause, then the answer's requeue, then the rest, ending completed."""
+    statuses = [r.status.value for r in seen]
+    assert statuses[-1] == "completed", statuses
+    assert statuses[statuses.index("waiting") + 1] == "queued", statuses
+    assert [r.updated_at for r in seen] == sorted(r.updated_at for r in seen), statuses
+
+
 def test_a_listener_that_answers_leaves_the_next_listeners_events_in_order(
     make_engine: EngineFactory, calls: Calls
 ) -> None:
@@ -440,11 +449,8 @@ def test_a_listener_that_answers_leaves_the_next_listeners_events_in_order(
     run = engine.dispatch("triage", trigger({}))
     assert engine.idle(10)
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
-    # Delivered as they happened: the pause, then the answer's requeue, then the rest.
-    statuses = [r.status.value for r in seen]
-    assert statuses.count("waiting") == 1 and statuses[-1] == "completed"
-    assert statuses[statuses.index("waiting") + 1] == "queued", statuses
-    assert [r.updated_at for r in seen] == sorted(r.updated_at for r in seen), statuses
+    assert [r.status for r in seen].count(RunStatus.WAITING) == 1
+    assert_in_commit_order(seen)
 
 
 def test_a_runs_events_keep_their_commit_order_when_another_thread_answers(
@@ -479,10 +485,7 @@ def test_a_runs_events_keep_their_commit_order_when_another_thread_answers(
     run = engine.dispatch("triage", trigger({}))
     assert engine.idle(10)
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
-    statuses = [r.status.value for r in seen]
-    assert statuses[-1] == "completed", statuses
-    assert statuses[statuses.index("waiting") + 1] == "queued", statuses
-    assert [r.updated_at for r in seen] == sorted(r.updated_at for r in seen), statuses
+    assert_in_commit_order(seen)
 
 
 def test_idle_waits_for_another_threads_answer_and_the_execution_it_starts(

@@ -58,6 +58,17 @@ def _step(name: str = "t") -> NewStep:
     return NewStep(kind="tool", name=name, started_at=now, finished_at=now)
 
 
+def upgrade_to(conn: sa.Connection, revision: str) -> None:
+    """The database brought to ``revision`` only, as an older release's migrate left it."""
+    from alembic import command
+
+    from agentruns.migrate import _config
+
+    config = _config()
+    config.attributes["connection"] = conn
+    command.upgrade(config, revision)
+
+
 def test_an_engine_refuses_an_unmigrated_database_naming_agentruns_migrate(
     empty_pg: str, tmp_path: object
 ) -> None:
@@ -148,15 +159,9 @@ def test_a_migration_a_long_transaction_holds_up_gives_up_changing_nothing(
 ) -> None:
     # It waited as long as the transaction lasted, and every write to the table
     # queued behind it: a report query could stop a whole fleet.
-    from alembic import command
-
-    from agentruns.migrate import _config
-
     engine = sa.create_engine(empty_pg)
     with engine.begin() as conn:
-        config = _config()
-        config.attributes["connection"] = conn
-        command.upgrade(config, "0001")
+        upgrade_to(conn, "0001")
     with engine.connect() as reader:
         reader.execute(sa.text("SELECT count(*) FROM agentruns_runs"))  # holds its lock
         started = time.monotonic()
@@ -173,16 +178,10 @@ def test_a_migration_a_long_transaction_holds_up_gives_up_changing_nothing(
 def test_a_thread_stored_before_0002_is_continued_after_it(empty_pg: str, tmp_path: object) -> None:
     # A thread's run stored by 0001's code holds its history as its own messages;
     # after the migration, the thread's next run continues from them.
-    from alembic import command
-
-    from agentruns.migrate import _config
-
     for url in (empty_pg, f"sqlite:///{tmp_path}/old.db"):
         engine = sa.create_engine(url)
         with engine.begin() as conn:
-            config = _config()
-            config.attributes["connection"] = conn
-            command.upgrade(config, "0001")
+            upgrade_to(conn, "0001")
             conn.execute(
                 sa.text(
                     "INSERT INTO agentruns_runs (id, agent, status, trigger, thread,"
@@ -243,9 +242,6 @@ def test_a_run_waiting_before_0003_gets_its_wait_points_times(
     empty_pg: str, tmp_path: object
 ) -> None:
     # tick decides by these columns: a waiting run without them is read in full.
-    from alembic import command
-
-    from agentruns.migrate import _config
     from agentruns.store.schema import runs
 
     expires, notified = utcnow() + timedelta(hours=1), utcnow()
@@ -258,9 +254,7 @@ def test_a_run_waiting_before_0003_gets_its_wait_points_times(
     for url in (empty_pg, f"sqlite:///{tmp_path}/old.db"):
         engine = sa.create_engine(url)
         with engine.begin() as conn:
-            config = _config()
-            config.attributes["connection"] = conn
-            command.upgrade(config, "0002")
+            upgrade_to(conn, "0002")
             for run_id, waiting in waits.items():
                 conn.execute(
                     sa.text(

@@ -131,16 +131,21 @@ def test_a_running_event_that_comes_after_a_later_look_is_not_shown(sqlite_url: 
         engine.close()
 
 
-def test_a_watcher_forgets_settled_runs_that_left_its_window(sqlite_url: str) -> None:
-    # A watcher left running for months kept an entry per run it ever saw, and one
-    # per run of another deployment it heard start.
-    engine = Engine(
-        SqlStore(sqlite_url),
+def _manual_engine(url: str) -> Engine:
+    """An engine whose runs execute only when the test says."""
+    return Engine(
+        SqlStore(url),
         leases=LocalLeases(),
         scheduler=ManualScheduler(),
         agents=[Agent("a", ScriptedModel([text("ok")]))],
         secret="s",
     )
+
+
+def test_a_watcher_forgets_settled_runs_that_left_its_window(sqlite_url: str) -> None:
+    # A watcher left running for months kept an entry per run it ever saw, and one
+    # per run of another deployment it heard start.
+    engine = _manual_engine(sqlite_url)
     try:
         follower = _Follower(Session(as_json=True, out=io.StringIO()), engine, history=False)
         runs = [engine.dispatch("a", trigger({})) for _ in range(3)]
@@ -163,13 +168,7 @@ def test_a_watchers_look_reads_in_full_only_the_runs_whose_status_it_shows(
     # Each look (each batch of events) read up to 1000 runs of each active status in
     # full, tool inputs of wait points and all: 1000 runs waiting on 100 KB inputs
     # took 0.25 s and 300 MB per look.
-    engine = Engine(
-        SqlStore(sqlite_url),
-        leases=LocalLeases(),
-        scheduler=ManualScheduler(),
-        agents=[Agent("a", ScriptedModel([text("ok")]))],
-        secret="s",
-    )
+    engine = _manual_engine(sqlite_url)
     try:
         out = io.StringIO()
         follower = _Follower(Session(as_json=False, out=out), engine, history=False)

@@ -9,7 +9,7 @@ writes of it wait, for a few seconds per million runs.
 
 Revision ID: 0003
 Revises: 0002
-Create Date: 2027-01-15
+Create Date: 2026-12-01
 """
 
 from __future__ import annotations

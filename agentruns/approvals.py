@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import datetime
 from typing import Protocol
 
 from agentruns import tokens
@@ -43,11 +45,21 @@ class Host(Protocol):
     def report(self, exc: Exception) -> None: ...
 
 
+@dataclass(frozen=True)
+class _Seen:
+    """What ``tick`` read of a wait point, and need not read again before it expires."""
+
+    expires_at: datetime
+    notified: bool
+
+
 class Approvals:
     """An engine's approvals (SPEC §4, "Approvals")."""
 
     def __init__(self, engine: Host) -> None:
         self.engine = engine
+        self._seen: dict[str, _Seen] = {}  # by token id: what tick read of wait points
+        self._seen_lock = threading.Lock()
 
     def resume(self, token: str, *, approved: bool, reason: str | None = None) -> Run:
         """Answer the approval a token stands for, once; the run is queued again."""
@@ -146,27 +158,40 @@ class Approvals:
         return tokens.mint(self.engine.secret, run.id, run.waiting)
 
     def tick(self) -> None:
-        """Deny approvals past their expiry; re-send notifications that did not go through."""
+        """Deny approvals past their expiry; re-send notifications that did not go through.
+
+        A wait point is read in full (its tool's input with it) only when there may
+        be something to do: the first time this engine meets it, once it expires,
+        and while it is not announced and its agent has a notifier. What was read is
+        kept by token id: a new wait point has a new one, and an announced one stays
+        announced."""
         engine = self.engine
         now = utcnow()
-        notifying = [name for name, agent in engine.agents.items() if agent.notifier is not None]
-        for run_id in engine.store.waits_due(now, notifying):
+        waiting = engine.store.waiting_runs()
+        with self._seen_lock:
+            # What no run waits on any more is forgotten.
+            self._seen = seen = {
+                w.token_id: self._seen[w.token_id] for w in waiting if w.token_id in self._seen
+            }
+        for ref in waiting:
+            known = seen.get(ref.token_id) if ref.token_id is not None else None
+            if known is not None and known.expires_at > now:
+                agent = engine.agents.get(ref.agent)
+                if known.notified or agent is None or agent.notifier is None:
+                    continue  # nothing to do before it expires: most of them
             try:
-                run = engine.store.get_run(run_id)
+                run = engine.store.get_run(ref.run_id)
                 wait = run.waiting
                 if run.status is not RunStatus.WAITING or wait is None:
                     continue  # answered meanwhile, or a wait point damaged by hand
+                with self._seen_lock:
+                    self._seen[wait.token_id] = _Seen(wait.expires_at, wait.notified_at is not None)
                 if wait.expires_at <= now:
                     # InvalidTokenError: someone answered it meanwhile.
                     with contextlib.suppress(InvalidTokenError):
                         self._answer(run, approved=False, reason="approval expired")
                 elif wait.notified_at is None:
                     self.notify(run)
-                else:
-                    # Due only by columns a release before 0003 left empty, writing the
-                    # JSON alone: filled in, they keep the run from being read again.
-                    guard = Guard(status=RunStatus.WAITING, token_id=wait.token_id)
-                    engine.store.commit(run, guard, Commit(waiting=wait))
             except Exception as exc:  # one run's trouble does not hold up the others
                 engine.report(exc)
 

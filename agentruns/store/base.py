@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -111,16 +110,6 @@ class Commit:
     durable: bool = True
 
 
-def waiting_columns(waiting: WaitPoint | None) -> dict[str, Any]:
-    """The columns beside the wait point's JSON that hold what is read of it without
-    reading it (by name after ``waiting_``): all None for no wait point."""
-    return {
-        "token": waiting.token_id if waiting is not None else None,
-        "expires_at": waiting.expires_at if waiting is not None else None,
-        "notified_at": waiting.notified_at if waiting is not None else None,
-    }
-
-
 @dataclass(frozen=True)
 class Committed:
     run: Run
@@ -170,6 +159,15 @@ class RunRef:
     epoch: int
     updated_at: datetime
     claim_expires_at: datetime | None
+
+
+@dataclass(frozen=True)
+class WaitRef:
+    """A waiting run as ``tick`` lists them, before it reads any in full."""
+
+    run_id: str
+    agent: str
+    token_id: str | None  # its wait point's, which a new wait point changes
 
 
 @dataclass(frozen=True)
@@ -232,5 +230,5 @@ class Store(Protocol):
     def sweep_candidates(self, queued_before: datetime) -> list[RunRef]: ...
     def requeue(self, ref: RunRef) -> Run | None: ...
     def next_queued(self, concurrency_key: str) -> str | None: ...
-    def waits_due(self, now: datetime, notifying: Collection[str]) -> list[str]: ...
+    def waiting_runs(self) -> list[WaitRef]: ...
     def close(self) -> None: ...

@@ -27,10 +27,6 @@ WITH run AS (
         error = CASE WHEN %(set_error)s THEN %(error)s::json ELSE error END,
         waiting = CASE WHEN %(set_waiting)s THEN %(waiting)s::json ELSE waiting END,
         waiting_token = CASE WHEN %(set_waiting)s THEN %(waiting_token)s ELSE waiting_token END,
-        waiting_expires_at = CASE WHEN %(set_waiting)s THEN %(waiting_expires_at)s::timestamptz
-                                  ELSE waiting_expires_at END,
-        waiting_notified_at = CASE WHEN %(set_waiting)s THEN %(waiting_notified_at)s::timestamptz
-                                   ELSE waiting_notified_at END,
         claim_owner = CASE WHEN %(release)s THEN NULL ELSE claim_owner END,
         claim_expires_at = CASE WHEN %(release)s THEN NULL ELSE claim_expires_at END
     -- The run is found by its id's unique index; the guard is a filter. (As

@@ -21,7 +21,7 @@ import sqlalchemy as sa
 from psycopg import pq
 from psycopg.adapt import Transformer
 
-from agentruns.store.base import _UNSET, Commit, Guard, NewRun, waiting_columns
+from agentruns.store.base import _UNSET, Commit, Guard, NewRun
 from agentruns.store.connect import dumps
 from agentruns.store.held import Held
 
@@ -297,6 +297,9 @@ def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> d
         "set_error": commit.error is not None,
         "error": dumps(commit.error.model_dump(mode="json")) if commit.error else None,
         "set_waiting": commit.waiting is not _UNSET,
+        "waiting_token": (
+            commit.waiting.token_id if commit.waiting not in (_UNSET, None) else None
+        ),
         "waiting": (
             dumps(commit.waiting.model_dump(mode="json"))
             if commit.waiting not in (_UNSET, None)
@@ -304,9 +307,6 @@ def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> d
         ),
         "release": commit.release_claim,
     }
-    waiting = commit.waiting if commit.waiting is not _UNSET else None
-    for name, value in waiting_columns(waiting).items():
-        params[f"waiting_{name}"] = value
     steps, messages = commit.steps, commit.messages
     if _one_step_one_message(commit):  # COMMIT_ONE's parameters
         step = steps[0]

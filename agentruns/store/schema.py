@@ -71,11 +71,6 @@ runs = sa.Table(
     # The waiting wait point's token id, which a resume's guard compares: read out
     # of the JSON, a \u0000 anywhere in the tool's input made Postgres refuse it.
     sa.Column("waiting_token", sa.String(64)),
-    # And its expiry and when it was announced, which ``tick`` decides by: reading
-    # the JSON (the tool's input) of every waiting run every few seconds cost more
-    # than all the rest of a tick. NULL expiry: stored by a release before 0003.
-    sa.Column("waiting_expires_at", TS),
-    sa.Column("waiting_notified_at", TS),
     sa.Column("claim_owner", sa.String(200)),
     sa.Column("claim_expires_at", TS),
     sa.Column("cancel_requested", sa.Boolean, nullable=False, server_default=sa.false()),

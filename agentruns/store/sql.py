@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Collection, Iterable
+from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
 
@@ -38,6 +38,7 @@ from agentruns.store.base import (
     RunHead,
     RunRef,
     Transcript,
+    WaitRef,
     Writes,
 )
 from agentruns.store.connect import READ_ONLY, make_engine
@@ -382,8 +383,6 @@ class SqlStore:
                         cancel_requested=sa.case((running, True), else_=R.c.cancel_requested),
                         waiting=unless_running(sa.null(), R.c.waiting),
                         waiting_token=unless_running(sa.null(), R.c.waiting_token),
-                        waiting_expires_at=unless_running(sa.null(), R.c.waiting_expires_at),
-                        waiting_notified_at=unless_running(sa.null(), R.c.waiting_notified_at),
                         claim_owner=unless_running(sa.null(), R.c.claim_owner),
                         claim_expires_at=unless_running(sa.null(), R.c.claim_expires_at),
                         updated_at=now,
@@ -537,28 +536,18 @@ class SqlStore:
             ).first()
             return row[0] if row else None
 
-    def waits_due(self, now: datetime, notifying: Collection[str]) -> list[str]:
-        """The waiting runs ``tick`` has something to do for at ``now``: expired, or not
-        yet announced and of an agent with a notifier (named in ``notifying``). Decided
-        by the wait point's columns, never its JSON: a tick reads them all every few
-        seconds, and acts on few. A run whose columns hold no expiry (stored by a
-        release before 0003, or edited by hand) is due: its wait point decides."""
+    def waiting_runs(self) -> list[WaitRef]:
+        """The waiting runs: ids, agents and token ids, never their wait points (a
+        tick lists them every few seconds, and each holds its tool's input)."""
         query = (
-            sa.select(R.c.id)
-            .where(
-                # In a literal, as list_runs' status: a generic plan of a parameter
-                # read the whole table in the primary key's order.
-                R.c.status == literal(RunStatus.WAITING.value),
-                sa.or_(
-                    R.c.waiting_expires_at.is_(None),
-                    R.c.waiting_expires_at <= now,
-                    sa.and_(R.c.waiting_notified_at.is_(None), R.c.agent.in_(list(notifying))),
-                ),
-            )
+            sa.select(R.c.id, R.c.agent, R.c.waiting_token)
+            # In a literal, as list_runs' status: a generic plan of a parameter read
+            # the whole table in the primary key's order.
+            .where(R.c.status == literal(RunStatus.WAITING.value))
             .order_by(R.c.created_at)
         )
         with self._reads.connect() as conn:
-            return [run_id for (run_id,) in conn.execute(query)]
+            return [WaitRef(r.id, r.agent, r.waiting_token) for r in conn.execute(query)]
 
 
 def _newest(query: Any, status: RunStatus | None, agent: str | None, limit: int) -> Any:

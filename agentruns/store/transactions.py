@@ -17,7 +17,7 @@ from sqlalchemy.exc import IntegrityError
 
 from agentruns.runs import RunStatus
 from agentruns.store import history, schema
-from agentruns.store.base import _UNSET, Commit, Guard, NewRun, waiting_columns
+from agentruns.store.base import _UNSET, Commit, Guard, NewRun
 
 R = schema.runs
 S = schema.steps
@@ -209,8 +209,7 @@ def _changes(commit: Commit, now: datetime) -> dict[str, Any]:
     if commit.error is not None:
         values["error"] = commit.error.model_dump(mode="json")
     if commit.waiting is not _UNSET:
-        for name, value in waiting_columns(commit.waiting).items():
-            values[f"waiting_{name}"] = value
+        values["waiting_token"] = commit.waiting.token_id if commit.waiting is not None else None
         values["waiting"] = (
             commit.waiting.model_dump(mode="json") if commit.waiting is not None else None
         )

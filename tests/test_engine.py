@@ -1684,6 +1684,34 @@ def test_recover_leaves_queued_runs_to_the_nudges_still_in_line(
     assert scheduler.scheduled == [run.id, run.id]
 
 
+def test_recover_in_a_busy_embedded_engine_still_finds_a_run_whose_nudge_was_lost(
+    make_engine: EngineFactory,
+) -> None:
+    # The local scheduler counted its running executions as nudges in line: while
+    # any run executed, recover() left every lost one queued.
+    release = threading.Event()
+
+    @tool
+    def slow() -> str:
+        """Takes a while."""
+        release.wait(10)
+        return "done"
+
+    model = ScriptedModel([tool_use("slow", {}), text("ok")])
+    engine = make_engine([Agent("a", model, tools=[slow])], requeue_after=0.2)
+    try:
+        busy = engine.dispatch("a", trigger({"n": 1}))
+        wait_for(lambda: engine.get_run(busy.id).status is RunStatus.RUNNING)
+        lost = engine.dispatch("a", trigger({"n": 2}), schedule=False)
+        time.sleep(0.3)
+        assert engine.scheduler.waiting() == 0
+        assert engine.recover() == [lost.id]
+    finally:
+        release.set()
+    assert engine.idle(10)
+    assert engine.get_run(lost.id).status is RunStatus.COMPLETED
+
+
 def test_recover_nudges_only_the_first_queued_run_of_a_key(make_engine: EngineFactory) -> None:
     # Every queued run of a long line was requeued and sent an execution that could
     # claim nothing, on every sweep (50,000 in line: 89 s per recover()).

@@ -16,6 +16,7 @@ class LocalScheduler:
         self._pool: ThreadPoolExecutor | None = None
         self._execute: Callable[[str], object] | None = None
         self._outstanding = 0
+        self._not_started = 0
         self._lock = threading.Lock()
         self._closed = False
 
@@ -35,12 +36,21 @@ class LocalScheduler:
             if self._closed:
                 return  # the run stays queued; recover() will find it
             self._outstanding += 1
+            self._not_started += 1
         try:
-            future = self._pool.submit(self._execute, run_id)
+            future = self._pool.submit(self._start, run_id)
         except RuntimeError:
+            with self._lock:
+                self._not_started -= 1
             self._done(None)
             return
         future.add_done_callback(self._done)
+
+    def _start(self, run_id: str) -> object:
+        with self._lock:
+            self._not_started -= 1
+        assert self._execute is not None
+        return self._execute(run_id)
 
     def _done(self, future: Future[object] | None) -> None:
         if future is not None and not future.cancelled() and future.exception() is not None:
@@ -53,7 +63,9 @@ class LocalScheduler:
             return self._outstanding
 
     def waiting(self) -> int | None:
-        return self.outstanding()  # executions here wait for a slot, none is lost
+        """Executions scheduled here and not started: a thread takes each in turn."""
+        with self._lock:
+            return self._not_started
 
     def close(self) -> None:
         with self._lock:

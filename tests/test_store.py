@@ -257,6 +257,25 @@ def test_migrations_after_the_first_add_no_column_a_running_release_would_not_ex
     assert after == before
 
 
+def test_a_later_release_adding_a_column_leaves_this_releases_running_writes_working(
+    empty_pg: str,
+) -> None:
+    # This release's claim and create returned r.* and *: prepared before a later
+    # release's migration added a column (a rolling deploy), they failed ("cached
+    # plan must not change result type"), or returned a row of unknown shape.
+    migrate(empty_pg)
+    store = SqlStore(empty_pg)
+    first, _ = store.create_run(new_run())
+    assert store.claim(first.id, "me", soon()) is not None  # both prepared now
+    with psycopg.connect(empty_pg.replace("+psycopg", ""), autocommit=True) as conn:
+        conn.execute("ALTER TABLE agentruns_runs ADD COLUMN later_release_column integer")
+    second, created = store.create_run(new_run())
+    assert created and second.status is RunStatus.QUEUED
+    claimed = store.claim(second.id, "me", soon())
+    assert claimed is not None and claimed.run.status is RunStatus.RUNNING
+    store.close()
+
+
 def test_postgres_connections_give_up_on_a_server_gone_silent(db_url: str) -> None:
     # A host that dies or a partition closes nothing: without these, a statement
     # waited for the kernel's TCP timeout (about 15 minutes), its run and a drain

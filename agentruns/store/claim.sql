@@ -39,7 +39,8 @@ WITH RECURSIVE run AS (
     SELECT p.key, p.base_key, COALESCE(p.base_count, 0), c.lo
     FROM agentruns_runs AS p JOIN chain AS c ON p.key = c.base_key
 )
-SELECT run.*,
+-- The run's columns this release knows, named (as create.sql's).
+SELECT {run_columns},
        CASE WHEN run.message_count > 0 THEN (
            SELECT json_agg(m.body ORDER BY m.seq) FROM chain AS c
            JOIN agentruns_messages AS m

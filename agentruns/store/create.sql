@@ -12,4 +12,6 @@ VALUES
      %(epoch)s, %(claim_owner)s, %(claim_expires_at)s, statement_timestamp(), %(updated_at)s,
      %(started_at)s)
 ON CONFLICT (idempotency_key) DO NOTHING
-RETURNING *
+-- The columns this release knows, named ({columns}): not *, which a later release's
+-- migration adding a column would change under this release's prepared statement.
+RETURNING {columns}

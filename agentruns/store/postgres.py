@@ -21,6 +21,7 @@ import sqlalchemy as sa
 from psycopg import pq
 from psycopg.adapt import Transformer
 
+from agentruns.store import schema
 from agentruns.store.base import _UNSET, Commit, Guard, NewRun
 from agentruns.store.connect import dumps
 from agentruns.store.held import Held
@@ -96,8 +97,15 @@ COMMIT = _commit("agentruns_commit", "append_many.sql", lazy=False)
 COMMIT_LAZY = _commit("agentruns_commit_lazy", "append_many.sql", lazy=True)
 COMMIT_ONE = _commit("agentruns_commit_one", "append_one.sql", lazy=False)
 COMMIT_ONE_LAZY = _commit("agentruns_commit_one_lazy", "append_one.sql", lazy=True)
-CLAIM = Prepared("agentruns_claim", _sql("claim.sql"))
-CREATE = Prepared("agentruns_create", _sql("create.sql"))
+_RUN_COLUMNS = tuple(column.name for column in schema.runs.columns)
+CLAIM = Prepared(
+    "agentruns_claim",
+    _sql("claim.sql").format(run_columns=", ".join(f"run.{name}" for name in _RUN_COLUMNS)),
+    (*_RUN_COLUMNS, "messages"),
+)
+CREATE = Prepared(
+    "agentruns_create", _sql("create.sql").format(columns=", ".join(_RUN_COLUMNS)), _RUN_COLUMNS
+)
 
 
 class Statements:

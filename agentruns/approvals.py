@@ -20,7 +20,7 @@ from agentruns.events import Events
 from agentruns.leases.base import Leases
 from agentruns.runs import Run, RunStatus, is_utf8, utcnow
 from agentruns.schedulers.base import Scheduler
-from agentruns.store.base import Commit, Committed, Guard, NewStep, Store
+from agentruns.store.base import Commit, Committed, Guard, NewStep, Store, WaitRef
 
 # The shortest time the lock around a notifier call is taken for (it is renewed).
 _NOTIFY_LOCK_S = 30.0
@@ -43,6 +43,11 @@ class Host(Protocol):
     def published(self, committed: Committed) -> None: ...
 
     def report(self, exc: Exception) -> None: ...
+
+
+# Waiting runs read in full at a time (each holds its tool's input): one read,
+# not one per run, and a bounded amount of it in memory.
+_READ_AT_ONCE = 100
 
 
 @dataclass(frozen=True)
@@ -173,27 +178,42 @@ class Approvals:
             self._seen = seen = {
                 w.token_id: self._seen[w.token_id] for w in waiting if w.token_id in self._seen
             }
-        for ref in waiting:
-            known = seen.get(ref.token_id) if ref.token_id is not None else None
-            if known is not None and known.expires_at > now:
-                agent = engine.agents.get(ref.agent)
-                if known.notified or agent is None or agent.notifier is None:
-                    continue  # nothing to do before it expires: most of them
+        known = [(ref, seen.get(ref.token_id or "")) for ref in waiting]
+        to_read = [ref.run_id for ref, seen_of in known if self._may_be_due(ref, seen_of, now)]
+        for start in range(0, len(to_read), _READ_AT_ONCE):
             try:
-                run = engine.store.get_run(ref.run_id)
-                wait = run.waiting
-                if run.status is not RunStatus.WAITING or wait is None:
-                    continue  # answered meanwhile, or a wait point damaged by hand
-                with self._seen_lock:
-                    self._seen[wait.token_id] = _Seen(wait.expires_at, wait.notified_at is not None)
-                if wait.expires_at <= now:
-                    # InvalidTokenError: someone answered it meanwhile.
-                    with contextlib.suppress(InvalidTokenError):
-                        self._answer(run, approved=False, reason="approval expired")
-                elif wait.notified_at is None:
-                    self.notify(run)
-            except Exception as exc:  # one run's trouble does not hold up the others
+                runs = engine.store.get_runs(to_read[start : start + _READ_AT_ONCE])
+            except Exception as exc:
                 engine.report(exc)
+                continue
+            for run in runs:
+                self._tick_one(run, now)
+
+    def _may_be_due(self, ref: WaitRef, known: _Seen | None, now: datetime) -> bool:
+        """Might tick have something to do for the run? Not if what it read of its wait
+        point says there is nothing before it expires: most of them."""
+        if known is None or known.expires_at <= now:
+            return True
+        agent = self.engine.agents.get(ref.agent)
+        return not known.notified and agent is not None and agent.notifier is not None
+
+    def _tick_one(self, run: Run, now: datetime) -> None:
+        """Expire or announce one waiting run, read in full; its trouble is reported,
+        and holds up no other run."""
+        wait = run.waiting
+        if run.status is not RunStatus.WAITING or wait is None:
+            return  # answered meanwhile, or a wait point damaged by hand
+        with self._seen_lock:
+            self._seen[wait.token_id] = _Seen(wait.expires_at, wait.notified_at is not None)
+        try:
+            if wait.expires_at <= now:
+                # InvalidTokenError: someone answered it meanwhile.
+                with contextlib.suppress(InvalidTokenError):
+                    self._answer(run, approved=False, reason="approval expired")
+            elif wait.notified_at is None:
+                self.notify(run)
+        except Exception as exc:
+            self.engine.report(exc)
 
     def paused(self, run: Run) -> None:
         """After a run paused and its lease is let go: announce the wait, unless it was

@@ -324,7 +324,11 @@ def test_tick_reads_no_waiting_run_it_has_nothing_to_do_for(
     ]
     assert notified == [runs[0].id]
     read: list[object] = []
-    validate, get_run = WaitPoint.model_validate, engine.store.get_run
+    validate, get_run, get_runs = (
+        WaitPoint.model_validate,
+        engine.store.get_run,
+        engine.store.get_runs,
+    )
 
     def validating(value: object, **kwargs: Any) -> WaitPoint:
         read.append(value)
@@ -335,7 +339,13 @@ def test_tick_reads_no_waiting_run_it_has_nothing_to_do_for(
         return get_run(run_id)
 
     monkeypatch.setattr(WaitPoint, "model_validate", staticmethod(validating))
+
+    def getting_several(run_ids: list[str]) -> list[Run]:
+        read.extend(run_ids)
+        return get_runs(run_ids)
+
     monkeypatch.setattr(engine.store, "get_run", getting)
+    monkeypatch.setattr(engine.store, "get_runs", getting_several)
     engine.tick()  # the first of this engine's reads what it meets, once
     assert sorted(r for r in read if isinstance(r, str)) == sorted(r.id for r in runs)
     read.clear()

@@ -59,9 +59,10 @@ def _sql(name: str) -> str:
 class Prepared:
     """One statement as the server prepares it: the text with positional parameters
     (``$1`` for the first name in ``%(name)s`` form), the names in that order, and
-    the names of the result's columns (given, or read off the first result)."""
+    the names of the result's columns (named in the statement: never ``*``, which a
+    later release's migration adding a column would change under it)."""
 
-    def __init__(self, name: str, sql: str, returns: tuple[str, ...] | None = None) -> None:
+    def __init__(self, name: str, sql: str, returns: tuple[str, ...]) -> None:
         order: list[str] = []
 
         def number(match: re.Match[str]) -> str:
@@ -217,16 +218,11 @@ class _Session:
             self._prepare(statement)
             result = pgconn.exec_prepared(statement.wire_name, values)
         self._check(result, pq.ExecStatus.TUPLES_OK)
-        columns = statement.columns
-        if columns is None:
-            columns = statement.columns = tuple(
-                (result.fname(i) or b"").decode() for i in range(result.nfields)
-            )
         if result.ntuples == 0:
             return None
         self.loader.set_pgresult(result)
         row = self.loader.load_row(0, tuple)
-        return dict(zip(columns, row, strict=True))
+        return dict(zip(statement.columns, row, strict=True))
 
     def _prepare(self, statement: Prepared) -> None:
         result = self.driver.pgconn.prepare(statement.wire_name, statement.wire_text)

@@ -725,11 +725,11 @@ def test_a_slow_notifier_holds_no_slot_and_is_called_once(
     assert engine.get_run(waiting.id).waiting.notified_at is not None  # type: ignore[union-attr]
 
 
-def test_close_waits_for_a_notifier_and_a_thread_goes_on_while_it_runs(
+def test_close_waits_for_a_notifier_and_a_key_goes_on_while_it_runs(
     make_engine: EngineFactory, calls: Calls
 ) -> None:
     # The notifier runs after its execution's slot is let go. close() returned
-    # while it ran, and the engine then wrote through its closed store; the thread's
+    # while it ran, and the engine then wrote through its closed store; the key's
     # next run waited for the notifier to return.
     started, returned = threading.Event(), threading.Event()
     said: list[str] = []
@@ -746,12 +746,12 @@ def test_close_waits_for_a_notifier_and_a_thread_goes_on_while_it_runs(
     agent, _ = comment_agent(calls, notifier=notifier)
     quick = Agent("quick", ScriptedModel([text("hi")]))
     engine = make_engine([agent, quick], scheduler=ManualScheduler())
-    first = engine.dispatch("triage", trigger({}), thread="t")
-    second = engine.dispatch("quick", trigger({}), thread="t")
+    first = engine.dispatch("triage", trigger({}), concurrency_key="k")
+    second = engine.dispatch("quick", trigger({}), concurrency_key="k")
     runner = threading.Thread(target=engine.execute, args=(first.id,))
     runner.start()
     assert started.wait(10)
-    # Scheduled at its dispatch, and again, before the notifier, as the thread's next.
+    # Scheduled at its dispatch, and again, before the notifier, as the key's next.
     assert engine.scheduler.scheduled.count(second.id) == 2  # type: ignore[attr-defined]
     engine.close()
     assert returned.is_set()
@@ -760,3 +760,53 @@ def test_close_waits_for_a_notifier_and_a_thread_goes_on_while_it_runs(
         "idle() cannot be called from inside one of this engine's executions"
         " (a tool, listener or notifier)"
     ]
+
+
+def _answers_with_its_transcript() -> Agent:
+    return Agent("quick", ScriptedModel(lambda messages: text(f"saw {len(messages)}")))
+
+
+def test_a_run_waiting_on_an_approval_holds_its_thread_until_it_ends(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    # A waiting run let its thread's next run go ahead, from the run completed
+    # before it: that run never saw the waiting one, and the run after both
+    # continued whichever completed last, dropping the other's exchange.
+    agent, _ = comment_agent(calls)
+    engine = make_engine([agent, _answers_with_its_transcript()], requeue_after=0.2)
+    first = engine.dispatch("triage", trigger({}), thread="t")
+    wait_until_waiting(engine, first.id)
+    second = engine.dispatch("quick", trigger({"q": 2}), thread="t")
+    assert engine.idle(10)
+    assert engine.execute(second.id).status is RunStatus.QUEUED  # held by the waiting run
+    time.sleep(0.3)
+    assert engine.recover() == []  # a held run is not lost: recover leaves it
+    other = engine.dispatch("quick", trigger({}), thread="u")  # another thread goes on
+    assert engine.idle(10)
+    assert engine.get_run(other.id).status is RunStatus.COMPLETED
+    assert engine.get_run(second.id).status is RunStatus.QUEUED
+
+    engine.resume(engine.approval_token(first.id), approved=True)
+    assert engine.idle(10)
+    assert engine.get_run(first.id).status is RunStatus.COMPLETED
+    assert calls.names() == ["post_comment"]
+    # The second run continues the first's whole exchange: its trigger, the call,
+    # the result, the answer, then its own trigger.
+    assert engine.get_run(second.id).output == "saw 5"
+
+
+def test_a_waiting_run_cancelled_lets_its_thread_go_on(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    agent, _ = comment_agent(calls)
+    engine = make_engine([agent, _answers_with_its_transcript()])
+    first = engine.dispatch("triage", trigger({}), thread="t")
+    wait_until_waiting(engine, first.id)
+    second = engine.dispatch("quick", trigger({}), thread="t")
+    assert engine.idle(10)
+    assert engine.get_run(second.id).status is RunStatus.QUEUED
+    assert engine.cancel(first.id).status is RunStatus.CANCELLED
+    assert engine.idle(10)
+    # From the thread's last completed run: none, so from its own trigger alone.
+    assert engine.get_run(second.id).output == "saw 1"
+    assert calls.names() == []

@@ -747,6 +747,8 @@ def test_the_hot_statements_find_their_run_by_id_in_a_generic_plan(
         plan = "\n".join(row[0] for row in conn.execute(explain))
     assert "agentruns_runs_id_key" in plan, plan
     assert "agentruns_runs_status" not in plan, plan
+    if hot is CLAIM:  # runs held by a waiting run of their thread: by the thread's index
+        assert "agentruns_runs_thread" in plan, plan
     store.close()
 
 

@@ -2,7 +2,8 @@
 -- fencing epoch, and the stored transcript it continues from. A run waits while
 -- an older run of its concurrency key is queued, running, or interrupted by a
 -- drain until recover() requeues it (oldest first, by the database's clock:
--- a thread's runs keep their order, whatever the senders' clocks said). Any
+-- a thread's runs keep their order, whatever the senders' clocks said), and in
+-- a thread, while an older run of its thread waits on an approval. Any
 -- running run of its key also makes the partial unique index refuse the update;
 -- the older running one is named here too because the index checks the row as
 -- committed, this as this statement's snapshot saw it: an older run leaving
@@ -21,11 +22,22 @@ WITH RECURSIVE run AS (
     -- history, which a long-lived thread makes long.
     WHERE r.id = %(run_id)s
       AND COALESCE(r.status, '') = 'queued'
-      AND (r.concurrency_key IS NULL OR NOT EXISTS (
+      AND (r.concurrency_key IS NULL OR (NOT EXISTS (
             SELECT 1 FROM agentruns_runs AS older
             WHERE older.concurrency_key = r.concurrency_key
               AND older.status IN ('queued', 'running', 'interrupted')
-              AND (older.created_at, older.id) < (r.created_at, r.id)))
+              AND (older.created_at, older.id) < (r.created_at, r.id))
+      -- A run of a thread also waits while an older run of its thread (and key) waits
+      -- on an approval: it continues that run's conversation, once it has ended. By
+      -- the thread's index, its unfinished runs (a waiting run has no finished_at);
+      -- not the status index (hence COALESCE), which holds every waiting run.
+      AND (r.thread IS NULL OR NOT EXISTS (
+            SELECT 1 FROM agentruns_runs AS held
+            WHERE held.thread = r.thread
+              AND held.finished_at IS NULL
+              AND COALESCE(held.status, '') = 'waiting'
+              AND held.concurrency_key = r.concurrency_key
+              AND (held.created_at, held.id) < (r.created_at, r.id)))))
     RETURNING r.*
 )
 -- A new run has no messages: no lookup. (The message rows cannot change under

@@ -123,7 +123,8 @@ def in_line(table: Any) -> Any:
 
 
 def in_turn() -> Any:
-    """The run is first in its concurrency key's line: no older run ahead of it."""
+    """The run is first in its concurrency key's line: no older run ahead of it, and
+    none of its thread waiting on an approval (see claim.sql)."""
     older = R.alias("older")
     no_older = ~sa.exists(
         sa.select(older.c.id).where(
@@ -134,7 +135,18 @@ def in_turn() -> Any:
             sa.tuple_(older.c.created_at, older.c.id) < sa.tuple_(R.c.created_at, R.c.id),
         )
     )
-    return sa.or_(R.c.concurrency_key.is_(None), no_older)
+    held = R.alias("held")
+    not_held = ~sa.exists(
+        sa.select(held.c.id).where(
+            # By the thread's index: its unfinished runs (a waiting run has no finish).
+            held.c.thread == R.c.thread,
+            held.c.finished_at.is_(None),
+            held.c.status == literal(RunStatus.WAITING.value),
+            held.c.concurrency_key == R.c.concurrency_key,
+            sa.tuple_(held.c.created_at, held.c.id) < sa.tuple_(R.c.created_at, R.c.id),
+        )
+    )
+    return sa.or_(R.c.concurrency_key.is_(None), sa.and_(no_older, not_held))
 
 
 def claimable(run_id: str) -> Any:

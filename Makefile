@@ -45,4 +45,4 @@ bench: setup services
 	$(BIN)/python -m bench $(BENCH_ARGS)
 
 clean:
-	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache agentruns.db
+	rm -rf $(VENV) *.egg-info .pytest_cache .mypy_cache .ruff_cache agentruns.db celerybeat-schedule*

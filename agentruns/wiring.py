@@ -50,8 +50,9 @@ def engine_from_settings(settings: Settings | None = None, **overrides: Any) -> 
     if shared and not overrides.get("secret", s.secret):
         # Several processes: a token one mints must pass in another.
         raise AgentrunsError(
-            "AGENTRUNS_SECRET is not set: with AGENTRUNS_REDIS_URL, every process needs the "
-            "same secret to sign and check resume tokens"
+            "AGENTRUNS_SECRET is not set: with leases in Redis (AGENTRUNS_REDIS_URL, or a"
+            " worker's Redis broker), every process needs the same secret to sign and check"
+            " resume tokens"
         )
     kwargs: dict[str, Any] = {
         "store": SqlStore(s.database_url, pool_size=s.database_pool_size),

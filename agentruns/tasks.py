@@ -44,7 +44,7 @@ _EXPECTED = (AgentrunsError,)
 _RETRY_BACKOFF_MAX_S = 60
 _GIVE_BACK_PAUSE_S = 1.0
 _NO_SOFT_LIMIT_S = 10.0**9  # no hard limit either: a soft limit that never comes
-_SOFT_LIMIT_LEAD_S = 10.0  # at most, before the hard limit (a tenth of it at most)
+_SOFT_LIMIT_LEAD_S = 10.0  # at most, before the hard limit (a quarter of it at most)
 
 
 class _Task(Task):  # type: ignore[misc]
@@ -77,7 +77,7 @@ class _Task(Task):  # type: ignore[misc]
         hard: float | None = self.time_limit
         if not hard:
             return _NO_SOFT_LIMIT_S
-        return hard - min(_SOFT_LIMIT_LEAD_S, hard / 10)
+        return hard - min(_SOFT_LIMIT_LEAD_S, hard / 4)
 
     @classmethod
     def annotate(cls) -> None:

@@ -620,13 +620,14 @@ def test_a_workers_time_limit_interrupts_a_run_that_recover_resumes(
     (conf / "celeryconfig.py").write_text(
         "from agentruns.celery import defaults\n"
         "globals().update(defaults())\n"
-        "task_time_limit = 1.5\n"
-        "task_annotations = {'*': {'soft_time_limit': 0.3}}\n"
+        "task_time_limit = 4\n"  # the run settles a second before it
+        "task_annotations = {'*': {'soft_time_limit': 0.5}}\n"
     )
-    group = BaseCluster(cluster.env, cluster.queue, tmp_path, cwd=conf)
+    env = {**cluster.env, "AGENTRUNS_TEST_LATENCY": "1.0"}
+    group = BaseCluster(env, cluster.queue, tmp_path, cwd=conf)
     try:
         (worker,) = group.workers("w1", pool="prefork", concurrency=1)
-        run = engine.dispatch("charger", trigger({"card": "4242"}))  # five 0.4 s model calls
+        run = engine.dispatch("charger", trigger({"card": "4242"}))  # five 1 s model calls
         stopped = wait_for(
             lambda: engine.get_run(run.id).status is RunStatus.INTERRUPTED or None,
             "the time limit to interrupt the run",
@@ -648,6 +649,8 @@ def test_a_workers_time_limit_interrupts_a_run_that_recover_resumes(
         assert len(cluster.tool_calls("charge", run.id)) == 1
     finally:
         group.stop(graceful=False)
+        for proc in group.procs:  # shown by pytest when the test failed
+            print(f"----- {proc.name} (pid {proc.pid}) -----\n{proc.output()[-6000:]}")
 
 
 def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:

@@ -82,9 +82,9 @@ def defaults() -> dict[str, Any]:
             "unacked_restore_throttle": 1,
         },
         # The hard limit only backstops a hung prefork child (the threads pool cannot
-        # enforce limits): it kills the process, the lease expires and ``recover``
-        # resumes the run. No soft limit: it would raise inside the engine at an
-        # arbitrary point and fail the run; ``Budget.timeout_s`` settles cleanly.
+        # enforce limits): just before it, the execution settles its run interrupted
+        # (tasks.py's soft limit), and ``recover`` resumes it. No soft limit of the
+        # worker's: ``Budget.timeout_s`` bounds a run, and settles it cleanly.
         "task_time_limit": visibility_timeout - 600,
         # Ack after the task returns, and give a message back if the worker process
         # dies mid-task: a crash becomes a redelivery (a nudge), never a lost run.

@@ -28,6 +28,7 @@ from agentruns.errors import (
     RunNotFoundError,
     UnknownAgentError,
     exception_text,
+    stops_the_task,
 )
 from agentruns.events import Events, EventType, Listener
 from agentruns.execution import Abort, Execution
@@ -473,7 +474,11 @@ class Engine:
             self.report(exc)
 
     def _leaves_run_to_recovery(self, exc: Exception) -> bool:
-        return isinstance(exc, LeaseLostError) or self.is_infrastructure_error(exc)
+        return (
+            isinstance(exc, LeaseLostError)
+            or self.is_infrastructure_error(exc)
+            or stops_the_task(exc)
+        )
 
     def _fail(self, run: Run, epoch: int, error: RunError) -> Run:
         """Settle a run this engine claimed ``failed``, outside any execution."""

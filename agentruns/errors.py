@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import threading
 from typing import Literal
 
 TokenProblem = Literal["malformed", "bad_signature", "expired", "stale"]
@@ -17,6 +19,22 @@ def exception_text(exc: BaseException, *, typed: bool = True) -> str:
     except Exception:
         return f"<unprintable {name}>"
     return f"{name}: {said}" if typed else said
+
+
+def stops_the_task(exc: BaseException) -> bool:
+    """Whether ``exc`` stops the task it was raised in, rather than telling of a failure
+    of the code it interrupted: a Celery worker's time limit (``SoftTimeLimitExceeded``,
+    raised wherever the task is, just before the pool kills the process), or
+    ``KeyboardInterrupt`` or ``SystemExit`` in the main thread (a signal: the process
+    is stopping). In a pool's thread, no signal raises those two: the code did
+    (argparse's exit on bad arguments). Never a tool's or a model's error: raised on,
+    the run is left for ``recover``, as after a crash."""
+    # (Looked up, not imported: only a Celery worker, which has it, raises it.)
+    time_limit = getattr(sys.modules.get("billiard.exceptions"), "SoftTimeLimitExceeded", None)
+    if time_limit is not None and isinstance(exc, time_limit):
+        return True
+    stopping = isinstance(exc, KeyboardInterrupt | SystemExit)
+    return stopping and threading.current_thread() is threading.main_thread()
 
 
 class AgentrunsError(Exception):

@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Literal
 
+from agentruns.errors import stops_the_task
 from agentruns.runs import Run, Step
 
 log = logging.getLogger("agentruns")
@@ -206,14 +207,14 @@ class Events:
         for listener in self._listeners[event.type]:
             try:
                 listener(event)
-            except Exception as exc:
-                self._on_error(exc)
             except BaseException as exc:
-                # KeyboardInterrupt or SystemExit in the main thread: the process is
-                # stopping. Anywhere else the listener raised it (argparse's exit, a
-                # cancelled asyncio task): raised on, it would end the execution
-                # unsettled, its run left running until its lease expired.
-                stopping = isinstance(exc, KeyboardInterrupt | SystemExit)
-                if stopping and threading.current_thread() is threading.main_thread():
+                # What stops the task (a worker's time limit, a signal in the main
+                # thread) goes on up. Anything else the listener raised itself
+                # (argparse's exit, a cancelled asyncio task): raised on, it would end
+                # the execution unsettled, its run left running until its lease expired.
+                if stops_the_task(exc):
                     raise
-                self._on_error(RuntimeError(f"a listener raised {exc!r}"))
+                if isinstance(exc, Exception):
+                    self._on_error(exc)
+                else:
+                    self._on_error(RuntimeError(f"a listener raised {exc!r}"))

@@ -34,6 +34,7 @@ from agentruns.errors import (
     InvalidCheckpointError,
     LeaseLostError,
     exception_text,
+    stops_the_task,
 )
 from agentruns.events import Events
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
@@ -101,6 +102,8 @@ def _agents_own(what: str, call: Callable[[], T]) -> T:
     try:
         return call()
     except Exception as exc:
+        if stops_the_task(exc):
+            raise
         raise _AgentCodeFailed(what, exc) from exc
 
 
@@ -149,6 +152,17 @@ class Execution:
             error = RunError(code="internal_error", message=str(exc))
             self._settle_quietly(RunStatus.FAILED, error)
         except Exception as exc:
+            if stops_the_task(exc):
+                # A worker's time limit, just before the pool kills the process: the
+                # run goes back whole, for recover(), as a drain leaves it (what its
+                # step in progress did is redone, as after a crash).
+                log.warning(
+                    "run %s: %s stopped its execution; recover() resumes it",
+                    self.run.id,
+                    exception_text(exc),
+                )
+                self._settle_quietly(RunStatus.INTERRUPTED)
+                return self.run
             self.engine.report(exc)
             if not self.engine.is_infrastructure_error(exc):
                 error = RunError(code="internal_error", message=exception_text(exc))
@@ -300,6 +314,8 @@ class Execution:
         except ModelError as exc:
             self._fail_model(exception_text(exc, typed=False), exc.usage)
         except Exception as exc:
+            if stops_the_task(exc):
+                raise
             self._check_abort()
             self._fail_model(exception_text(exc))
         if self.reason is Abort.LEASE_LOST:
@@ -634,7 +650,7 @@ class Execution:
         )
         raise _Stop
 
-    def _settle_quietly(self, status: RunStatus, error: RunError) -> None:
+    def _settle_quietly(self, status: RunStatus, error: RunError | None = None) -> None:
         try:
             self._settle(status, error=error)
         except _Stop:

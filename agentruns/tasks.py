@@ -44,6 +44,7 @@ _EXPECTED = (AgentrunsError,)
 _RETRY_BACKOFF_MAX_S = 60
 _GIVE_BACK_PAUSE_S = 1.0
 _NO_SOFT_LIMIT_S = 10.0**9  # no hard limit either: a soft limit that never comes
+_SOFT_LIMIT_LEAD_S = 10.0  # at most, before the hard limit (a quarter of it at most)
 
 
 class _Task(Task):  # type: ignore[misc]
@@ -63,13 +64,31 @@ class _Task(Task):  # type: ignore[misc]
 
     @property
     def soft_time_limit(self) -> float:
-        """No soft limit of the worker's (``--soft-time-limit``, ``task_soft_time_limit``)
-        reaches these tasks: it raises inside the task wherever it is, so an effect
-        tool whose side effect happened would be recorded as failed. This one is the
-        hard limit, which the pool checks first, or none at all (``Budget.timeout_s``
-        bounds a run and settles it cleanly)."""
+        """No soft limit of the worker's (``--soft-time-limit``, ``task_soft_time_limit``,
+        ``task_annotations``) reaches these tasks: it would stop every execution longer
+        than it, again after each recovery (a model call that takes longer would never
+        complete). ``Budget.timeout_s`` bounds a run instead, and settles it cleanly.
+
+        Only the hard limit stays (a backstop for a hung prefork child). The prefork
+        pool starts its hard timer when the soft one fires, ``hard - soft`` after it,
+        so the soft limit is set a little before the hard one: the execution, stopped
+        by ``SoftTimeLimitExceeded``, settles its run ``interrupted`` for ``recover``
+        before the pool kills the process. Without a hard limit, none at all."""
         hard: float | None = self.time_limit
-        return hard if hard else _NO_SOFT_LIMIT_S
+        if not hard:
+            return _NO_SOFT_LIMIT_S
+        return hard - min(_SOFT_LIMIT_LEAD_S, hard / 4)
+
+    @classmethod
+    def annotate(cls) -> None:
+        """Celery's annotations, but a ``soft_time_limit`` (``{"*": {...}}`` reaches
+        these tasks too): Celery sets it on the class, over the property above."""
+        super().annotate()
+        if "soft_time_limit" in vars(cls):
+            log.warning(
+                "%s: agentruns' tasks ignore the soft time limit of task_annotations", cls.name
+            )
+            delattr(cls, "soft_time_limit")
 
     def apply_async(
         self,

@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from agentruns.errors import FatalToolError, exception_text
+from agentruns.errors import FatalToolError, exception_text, stops_the_task
 from agentruns.runs import Run, storable_text
 from agentruns.store.base import EffectRecord, Store
 from agentruns.store.connect import dumps
@@ -147,13 +147,12 @@ def _invoke(tool: Tool, arguments: dict[str, Any], ctx: ToolContext) -> Outcome:
 
 def _raised_by_tool_code(exc: BaseException) -> Outcome:
     """What a tool's code (the tool, its ``needs_approval`` callable) raised, as the
-    call's tool error; asyncio.CancelledError too. ``KeyboardInterrupt`` and
-    ``SystemExit`` in the main thread mean the process is stopping: raised on, the
-    run is left for recovery, as after a crash. In a pool's thread no signal raises
-    them, the tool code did (argparse's exit on bad arguments): raised on, they
-    would end the thread's task unfinished."""
-    stopping = isinstance(exc, KeyboardInterrupt | SystemExit)
-    if stopping and threading.current_thread() is threading.main_thread():
+    call's tool error; asyncio.CancelledError too. What stops the task (a worker's
+    time limit, a signal: ``stops_the_task``) is raised on: the run is left for
+    recovery, as after a crash, and an effect's record stays unfinished (its side
+    effect may have happened). Anything else raised on (``SystemExit`` from
+    argparse, in a pool's thread) would end the thread's task unfinished."""
+    if stops_the_task(exc):
         raise exc
     return error("tool_error", exception_text(exc))
 

@@ -606,6 +606,53 @@ def test_a_workers_soft_time_limit_does_not_cut_into_a_run(
     assert "ignore the worker's soft time limit" in worker.output()
 
 
+def test_a_workers_time_limit_interrupts_a_run_that_recover_resumes(
+    tmp_path: Path, cluster: Cluster, engine: Engine
+) -> None:
+    """The hard limit was also the soft one, and the prefork pool raises the soft
+    one first, wherever the task is: the model call it stopped failed the run
+    (model_error), a tool it stopped was the tool's error. A soft limit of
+    ``task_annotations`` reached the tasks too. Now the soft limit comes a little
+    before the hard one and the execution settles its run interrupted; the
+    annotation's limit is ignored."""
+    conf = tmp_path / "deployment"
+    conf.mkdir()
+    (conf / "celeryconfig.py").write_text(
+        "from agentruns.celery import defaults\n"
+        "globals().update(defaults())\n"
+        "task_time_limit = 4\n"  # the run settles a second before it
+        "task_annotations = {'*': {'soft_time_limit': 0.5}}\n"
+    )
+    env = {**cluster.env, "AGENTRUNS_TEST_LATENCY": "1.0"}
+    group = BaseCluster(env, cluster.queue, tmp_path, cwd=conf)
+    try:
+        (worker,) = group.workers("w1", pool="prefork", concurrency=1)
+        run = engine.dispatch("charger", trigger({"card": "4242"}))  # five 1 s model calls
+        stopped = wait_for(
+            lambda: engine.get_run(run.id).status is RunStatus.INTERRUPTED or None,
+            "the time limit to interrupt the run",
+            20,
+        )
+        assert stopped
+        assert engine.get_run(run.id).claim is None
+        # (No "Hard time limit exceeded": the task returned first.)
+        assert "stopped its execution; recover() resumes it" in worker.output()
+        assert "Hard time limit" not in worker.output(), worker.output()[-3000:]
+
+        def resumed() -> Run | None:
+            engine.recover()
+            return completed(engine, run.id)
+
+        done = wait_for(resumed, "recover to resume it", 30)
+        assert_replayed_once(engine, done, CHARGE_SCRIPT)
+        assert [s.error for s in engine.steps(run.id) if s.error] == []
+        assert len(cluster.tool_calls("charge", run.id)) == 1
+    finally:
+        group.stop(graceful=False)
+        for proc in group.procs:  # shown by pytest when the test failed
+            print(f"----- {proc.name} (pid {proc.pid}) -----\n{proc.output()[-6000:]}")
+
+
 def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:
     """celeryconfig.py (a deployment's override point) carries agentruns' own settings."""
     from agentruns.celery import defaults

@@ -2041,3 +2041,67 @@ def test_a_scripted_model_for_a_worker_keeps_no_transcripts(make_engine: EngineF
     assert engine.idle(10)
     assert all(engine.get_run(r.id).output == "Done." for r in runs)
     assert [len(m) for m in kept.calls] == [1, 3] and lean.calls == []
+
+
+def _stops_at(where: str) -> tuple[Agent, list[str]]:
+    """An agent whose tool, effect tool, model or tool factory meets a Celery
+    worker's time limit (``SoftTimeLimitExceeded``, as the prefork pool raises it)
+    on the first execution only; what each call did, in order."""
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    did: list[str] = []
+
+    def limit(what: str) -> None:
+        did.append(what)
+        if what == where and did.count(what) == 1:
+            raise SoftTimeLimitExceeded()
+
+    @tool
+    def look() -> str:
+        """Look."""
+        limit("look")
+        return "seen"
+
+    @tool(effect=True, on_unknown="fail")
+    def pay(ctx: ToolContext) -> str:
+        """Pay."""
+        limit("pay")
+        return "paid"
+
+    responses = [tool_use("look", {}), tool_use("pay", {}), text("done")]
+
+    def model(messages: list[dict[str, Any]]) -> Any:
+        limit(f"model {len(messages)}")
+        return responses[len(messages) // 2]
+
+    def tools(ctx: Any) -> list[Any]:
+        limit("tools")
+        return [look, pay]
+
+    agent = Agent("a", ScriptedModel(model), tools=tools)
+    return agent, did
+
+
+@pytest.mark.parametrize("where", ["look", "model 3", "tools", "pay"])
+def test_a_workers_time_limit_leaves_the_run_interrupted_for_recover(
+    make_engine: EngineFactory, errors: Errors, where: str
+) -> None:
+    # Raised wherever the task was, the worker's time limit failed the run: as the
+    # model's error (model_error), the tool's (a tool error the model was told of,
+    # though an effect may have happened) or the agent's code (internal_error).
+    agent, did = _stops_at(where)
+    engine = make_engine([agent], scheduler=ManualScheduler())
+    run = engine.dispatch("a", trigger({}))
+    stopped = engine.execute(run.id)
+    assert stopped.status is RunStatus.INTERRUPTED and stopped.claim is None
+    assert [s.error for s in engine.steps(run.id) if s.error] == []
+    assert errors == []
+    engine.recover()
+    done = engine.execute(run.id)
+    if where == "pay":  # its side effect may have happened: not called again blindly
+        assert done.status is RunStatus.FAILED
+        assert done.error is not None and done.error.code == "effect_outcome_unknown"
+        return
+    assert done.status is RunStatus.COMPLETED and done.output == "done"
+    assert [s.error for s in engine.steps(run.id) if s.error] == []
+    assert did.count("pay") == 1

@@ -20,6 +20,7 @@ import tenacity
 from anthropic.resources.messages import Messages
 from anthropic.types import Message
 
+from agentruns.errors import stops_the_task
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
 from agentruns.runs import Usage
 
@@ -230,6 +231,8 @@ class AnthropicModel:
         except _CutInput as exc:
             raise ModelError(f"malformed model reply: {exc}", _usage(exc.message)) from exc
         except Exception as exc:
+            if stops_the_task(exc):  # a worker's time limit: not the API's error
+                raise
             tries = 1 + self._max_retries if _is_transient(exc) else 1
             raise ModelError(_describe(exc, self._model, client, tries)) from exc
 

@@ -217,7 +217,8 @@ def _apply_celeryconfig(conf: Any) -> set[str]:
     that differ from :func:`defaults` (a module that starts from them, as the
     repository's does, sets every one of ours). Celery ranks defaults added with
     ``add_defaults`` above its config module, so without this the module could not
-    override any setting of :func:`defaults` (only add others)."""
+    override any setting of :func:`defaults` (only add others). Its ``beat_schedule``
+    is the one setting merged with ours, not put in its place."""
     if _celeryconfig() is None:
         return set()
     with cwd_in_path():
@@ -229,4 +230,8 @@ def _apply_celeryconfig(conf: Any) -> set[str]:
             conf[name] = value
             if name not in ours or ours[name] != value:
                 changed.add(name)
+    # A schedule of the module's own (either style of name) adds to beat's sweeps:
+    # without them, crashed runs are never recovered and approvals never expire. An
+    # entry of the same name replaces ours.
+    conf.beat_schedule = {**ours["beat_schedule"], **(conf.beat_schedule or {})}
     return changed

@@ -195,3 +195,27 @@ def test_a_broker_or_queue_other_than_the_environment_names_is_said(tmp_path: Pa
     assert "not redis://127.0.0.1:6379/13 from AGENTRUNS_BROKER_URL" in said
     assert "the Celery queue is 'team_q', set by celeryconfig (" in said
     assert "hunter2" not in said
+
+
+SCHEDULE_PROBE = """
+import json
+from agentruns.celery import app
+print(json.dumps({name: entry["schedule"] for name, entry in app.conf.beat_schedule.items()}))
+"""
+
+
+@pytest.mark.parametrize("name", ["beat_schedule", "CELERYBEAT_SCHEDULE"])  # Celery's old name too
+def test_a_celeryconfigs_beat_schedule_adds_to_the_sweeps(tmp_path: Path, name: str) -> None:
+    # A team's own periodic task replaced beat's whole schedule: no tick and no
+    # recover, so crashed runs were never recovered and approvals never expired.
+    lines = [
+        f"{name} = {{",
+        '    "nightly-report": {"task": "myproj.report", "schedule": 3600.0},',
+        '    "agentruns.recover": {"task": "agentruns.recover", "schedule": 60.0},',
+        "}",
+    ]
+    out = _beside_celeryconfig(tmp_path, lines, SCHEDULE_PROBE).stdout
+    schedule = json.loads(out.strip().splitlines()[-1])
+    tick = defaults()["beat_schedule"]["agentruns.tick"]["schedule"]
+    # Its entry of the same name as one of ours replaces ours.
+    assert schedule == {"nightly-report": 3600.0, "agentruns.tick": tick, "agentruns.recover": 60.0}

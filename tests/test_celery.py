@@ -636,6 +636,56 @@ def test_a_worker_that_does_not_consume_the_sweeps_queue_says_so(
     assert "does not consume" not in full.output()
 
 
+def _deployment(tmp_path: Path, *lines: str) -> Path:
+    """A directory holding a team's own celeryconfig.py of these lines."""
+    conf = tmp_path / "deployment"
+    conf.mkdir(exist_ok=True)
+    (conf / "celeryconfig.py").write_text("\n".join(lines) + "\n")
+    return conf
+
+
+def _stop_and_show(group: BaseCluster) -> None:
+    group.stop(graceful=False)
+    for proc in group.procs:  # shown by pytest when the test failed
+        print(f"----- {proc.name} (pid {proc.pid}) -----\n{proc.output()[-6000:]}")
+
+
+def test_sweeps_go_where_a_teams_routes_send_agentruns_tasks(
+    tmp_path: Path, cluster: Cluster, queue: str
+) -> None:
+    # A team routes agentruns' tasks to a queue of their own with a glob, and starts
+    # its workers with -Q naming it: the sweeps went to the sweeps queue of the
+    # default one instead, which no worker read.
+    agents = f"{queue}.agents"
+    conf = _deployment(tmp_path, f"task_routes = {{'agentruns.*': {{'queue': {agents!r}}}}}")
+    group = BaseCluster(cluster.env, queue, tmp_path, cwd=conf)
+    try:
+        (worker,) = group.workers("agents", options=["-Q", agents])
+        group.beat()
+        for task in ("tick", "recover"):
+            ran = rf"agentruns\.{task}\[\S+\] succeeded"
+            wait_for(lambda t=ran: re.search(t, worker.output()), f"a {task} on the worker")
+        assert "does not consume" not in worker.output()
+    finally:
+        _stop_and_show(group)
+
+
+def test_a_worker_that_does_not_consume_where_the_sweeps_are_routed_says_so(
+    tmp_path: Path, cluster: Cluster, queue: str
+) -> None:
+    # It consumes the runs' queue and the sweeps queue beside it, but the team's
+    # routes send the sweeps elsewhere: it said nothing.
+    ops = f"{queue}.ops"
+    routes = {"agentruns.tick": {"queue": ops}, "agentruns.recover": {"queue": ops}}
+    conf = _deployment(tmp_path, f"task_routes = {routes!r}")
+    group = BaseCluster(cluster.env, queue, tmp_path, cwd=conf)
+    try:
+        (worker,) = group.workers("runs", options=["-Q", f"{queue},{sweeps_queue(queue)}"])
+        assert f"does not consume '{ops}'" in worker.output()
+    finally:
+        _stop_and_show(group)
+
+
 def test_a_sweep_from_a_beat_whose_clock_is_behind_is_still_run(
     cluster: Cluster, queue: str
 ) -> None:

@@ -219,3 +219,32 @@ def test_a_celeryconfigs_beat_schedule_adds_to_the_sweeps(tmp_path: Path, name: 
     tick = defaults()["beat_schedule"]["agentruns.tick"]["schedule"]
     # Its entry of the same name as one of ours replaces ours.
     assert schedule == {"nightly-report": 3600.0, "agentruns.tick": tick, "agentruns.recover": 60.0}
+
+
+ROUTE_PROBE = """
+import json
+from agentruns.celery import app
+tasks = ["agentruns.dispatch", "agentruns.execute", "agentruns.tick", "agentruns.recover"]
+print(json.dumps({t: app.amqp.router.route({}, t, (), {})["queue"].name for t in tasks}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("routes", "tick", "recover"),
+    [
+        # A glob: the sweeps went to default.sweeps, which a worker `-Q agents` never reads.
+        ('{"agentruns.*": {"queue": "agents"}}', "agents", "agents"),
+        # An exact name, to a queue of the deployment's own (not in task_queues).
+        ('{"agentruns.tick": {"queue": "ops"}}', "ops", "default.sweeps"),
+        # A list of routers that leaves the sweeps alone: ours.
+        ('[{"agentruns.dispatch": "agents"}]', "default.sweeps", "default.sweeps"),
+    ],
+)
+def test_a_celeryconfigs_routes_decide_where_the_sweeps_go_where_they_match(
+    tmp_path: Path, routes: str, tick: str, recover: str
+) -> None:
+    lines = ['task_default_queue = "default"', f"task_routes = {routes}"]
+    out = _beside_celeryconfig(tmp_path, lines, ROUTE_PROBE).stdout
+    queues = json.loads(out.strip().splitlines()[-1])
+    assert (queues["agentruns.tick"], queues["agentruns.recover"]) == (tick, recover)
+    assert queues["agentruns.execute"] == ("agents" if "agentruns.*" in routes else "default")

@@ -17,6 +17,7 @@ from importlib.machinery import ModuleSpec
 from typing import Any
 
 from celery import Celery
+from celery.app.amqp import AMQP as CeleryAMQP
 from celery.app.routes import Router, prepare
 from celery.utils.imports import cwd_in_path
 from kombu.entity import Exchange, Queue
@@ -141,7 +142,22 @@ def _celeryconfig() -> ModuleSpec | None:
         return importlib.util.find_spec("celeryconfig")
 
 
-app = Celery("agentruns", include=["agentruns.tasks"])
+class AMQP(CeleryAMQP):  # type: ignore[misc]
+    """Celery's AMQP, sending agentruns' tasks with message protocol 2 whatever
+    ``task_protocol`` says (a deployment's other tasks keep it). Protocol 1 has no
+    ``argsrepr``: its ``task-sent`` event, which Flower shows, would carry a
+    trigger's payload and a resume token (``agentruns.tasks._Task``). Every worker
+    since Celery 4 reads both protocols."""
+
+    def create_task_message(self, task_id: str, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("agentruns."):
+            create = self.as_task_v2
+        else:
+            create = self.task_protocols[self.app.conf.task_protocol]
+        return create(task_id, name, *args, **kwargs)
+
+
+app = Celery("agentruns", include=["agentruns.tasks"], amqp=AMQP)
 # Both are read lazily, when the configuration is first needed, not on import.
 app.add_defaults(defaults)
 if _celeryconfig() is not None:

@@ -8,11 +8,14 @@ an engine with a ``CeleryScheduler`` that calls ``recover()`` itself.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import runpy
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -25,6 +28,8 @@ import psycopg
 import pytest
 import redis
 import sqlalchemy as sa
+from celery import Celery
+from celery.exceptions import ImproperlyConfigured
 
 from agentruns import CeleryScheduler, Engine, RedisLeases, Run, RunStatus, SqlStore
 from agentruns.celery import CLOCK_SKEW_S, defaults, sweeps_queue
@@ -719,6 +724,37 @@ def test_producer_messages_retry_an_outage_for_as_long_as_it_lasts() -> None:
     assert cancel.max_retries is None
 
 
+def _sent_messages(queue: str) -> list[dict[str, Any]]:
+    """The messages waiting in ``queue``, oldest first."""
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        return [json.loads(m) for m in reversed(client.lrange(queue, 0, -1))]
+    finally:
+        client.close()
+
+
+def test_a_teams_own_app_on_message_protocol_1_refuses_to_send_agentruns_tasks(
+    queue: str,
+) -> None:
+    """Protocol 1 has no ``argsrepr``: its task events would show a trigger's payload
+    and a resume token. Made with agentruns' AMQP, the app sends them with protocol 2."""
+    from agentruns.tasks import dispatch
+
+    team = Celery("team", broker=REDIS_URL, set_as_current=False)
+    team.conf.update(task_protocol=1, task_default_queue=f"{queue}.team")
+    with pytest.raises(ImproperlyConfigured, match="task_protocol = 2"):
+        team.tasks[dispatch.name].delay("quick", trigger({"card": "4111-SECRET"}))
+    team = Celery("team", broker=REDIS_URL, amqp="agentruns.celery:AMQP", set_as_current=False)
+    team.conf.update(task_protocol=1, task_default_queue=f"{queue}.team")
+    try:
+        team.tasks[dispatch.name].delay("quick", trigger({"card": "4111-SECRET"}))
+        (message,) = _sent_messages(f"{queue}.team")
+        assert message["headers"]["task"] == "agentruns.dispatch"  # protocol 2's header
+        assert "<payload>" in message["headers"]["argsrepr"]
+    finally:
+        forget_queue(f"{queue}.team")
+
+
 class TaskEvents:
     """The task events published on this Redis while the block runs, as they went out:
     one list per PUBLISH (what Flower's receiver decodes, read off the wire)."""
@@ -793,6 +829,55 @@ def test_task_events_show_no_trigger_payload_and_no_resume_token(
         "the dispatched run",
     )
     assert run.trigger.payload == {"card": "4111-SECRET"}
+
+
+SEND_ON_PROTOCOL_1 = """
+import json
+from agentruns.celery import app
+from agentruns.tasks import dispatch, resume
+assert app.conf.task_protocol == 1
+trigger = {"source": "manual", "trigger": "manual", "payload": {"card": "4111-SECRET"}}
+sent = [dispatch.delay("quick", trigger).id, resume.delay("TOKEN-SECRET.sig", True).id]
+sent.append(app.send_task("team.report", args=["TEAM-ARGS"]).id)
+print(json.dumps(sent))
+"""
+
+
+def test_a_celeryconfig_on_message_protocol_1_still_hides_payloads_and_tokens(
+    tmp_path: Path, queue: str
+) -> None:
+    # Protocol 1's messages have no argsrepr: their task-sent events showed
+    # everything. agentruns' tasks go with protocol 2; the team's keep protocol 1.
+    sent_to = f"{queue}.proto1"  # no worker reads it
+    conf = _deployment(tmp_path, "task_protocol = 1")
+    env = {
+        **os.environ,
+        "AGENTRUNS_DATABASE_URL": "sqlite:///x.db",
+        "AGENTRUNS_BROKER_URL": REDIS_URL,
+        "AGENTRUNS_QUEUE": sent_to,
+        "PYTHONPATH": str(ROOT),
+    }
+    try:
+        with TaskEvents() as events:
+            out = subprocess.run(
+                [sys.executable, "-c", SEND_ON_PROTOCOL_1],
+                cwd=conf,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout
+            ids = json.loads(out.strip().splitlines()[-1])
+            wait_for(lambda: len(events.of(*ids)) == 3 or None, "the task-sent events")
+        for event in events.of(*ids[:2]):
+            assert "SECRET" not in f"{event['args']} {event['kwargs']}", event
+        dispatched, resumed, theirs = _sent_messages(sent_to)
+        assert dispatched["headers"]["task"] == "agentruns.dispatch"  # protocol 2
+        assert resumed["headers"]["argsrepr"] == "(<resume token>, True)"
+        assert "task" not in theirs["headers"]  # protocol 1
+    finally:
+        forget_queue(sent_to)
 
 
 def test_what_a_worker_lists_of_its_held_tasks_shows_no_payload_and_no_token(

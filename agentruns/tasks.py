@@ -173,9 +173,21 @@ def _shown(name: str, value: Any) -> Any:
 
 
 def _task(name: str) -> Callable[[F], Any]:
-    """``app.task`` with the options every agentruns task shares (typed for mypy)."""
+    """``app.task`` with the options every agentruns task shares (typed for mypy).
+
+    The delivery options are the task's own, not read from the app's settings: a
+    team's own Celery app that includes ``agentruns.tasks`` keeps Celery's defaults
+    (acks early, a result per task), and a message its worker lost mid-task would be
+    a lost run (``defaults`` says why each is what it is)."""
     decorator: Callable[[F], Any] = app.task(
-        name=name, base=_Task, bind=True, throws=_EXPECTED, max_retries=None
+        name=name,
+        base=_Task,
+        bind=True,
+        throws=_EXPECTED,
+        max_retries=None,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        ignore_result=True,
     )
     return decorator
 

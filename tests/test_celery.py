@@ -724,6 +724,18 @@ def test_producer_messages_retry_an_outage_for_as_long_as_it_lasts() -> None:
     assert cancel.max_retries is None
 
 
+def test_a_teams_own_app_runs_agentruns_tasks_with_their_delivery_options() -> None:
+    # Its settings are Celery's defaults (acks early, results kept): a message its
+    # worker lost mid-task was a lost run. (The tasks are shared: every app gets them.)
+    import agentruns.tasks  # noqa: F401
+
+    team = Celery("team", set_as_current=False)
+    names = ["dispatch", "execute", "resume", "cancel", "tick", "recover"]
+    for task in (team.tasks[f"agentruns.{name}"] for name in names):
+        assert task.app is team
+        assert (task.acks_late, task.reject_on_worker_lost, task.ignore_result) == (True,) * 3
+
+
 def _sent_messages(queue: str) -> list[dict[str, Any]]:
     """The messages waiting in ``queue``, oldest first."""
     client = redis.Redis.from_url(REDIS_URL)

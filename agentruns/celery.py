@@ -17,6 +17,8 @@ from importlib.machinery import ModuleSpec
 from typing import Any
 
 from celery import Celery
+from celery.app.amqp import AMQP as CeleryAMQP
+from celery.app.routes import Router, prepare
 from celery.utils.imports import cwd_in_path
 from kombu.entity import Exchange, Queue
 from kombu.utils.url import maybe_sanitize_url
@@ -31,6 +33,10 @@ log = logging.getLogger("agentruns")
 CLOCK_SKEW_S = 60.0
 
 
+# Beat's sweeps: the tasks beat sends, and the names of their schedule entries.
+SWEEPS = ("agentruns.tick", "agentruns.recover")
+
+
 def sweeps_queue(queue: str) -> str:
     """The queue of beat's sweeps (``tick`` and ``recover``) beside the runs' ``queue``."""
     return f"{queue}.sweeps"
@@ -40,10 +46,7 @@ def _queues(queue: str) -> dict[str, Any]:
     """The queues workers consume and the sweeps' routes, for the runs' ``queue``."""
     return {
         "task_queues": [_queue(queue), _queue(sweeps_queue(queue))],
-        "task_routes": {
-            "agentruns.tick": {"queue": sweeps_queue(queue)},
-            "agentruns.recover": {"queue": sweeps_queue(queue)},
-        },
+        "task_routes": {task: {"queue": sweeps_queue(queue)} for task in SWEEPS},
     }
 
 
@@ -139,7 +142,22 @@ def _celeryconfig() -> ModuleSpec | None:
         return importlib.util.find_spec("celeryconfig")
 
 
-app = Celery("agentruns", include=["agentruns.tasks"])
+class AMQP(CeleryAMQP):  # type: ignore[misc]
+    """Celery's AMQP, sending agentruns' tasks with message protocol 2 whatever
+    ``task_protocol`` says (a deployment's other tasks keep it). Protocol 1 has no
+    ``argsrepr``: its ``task-sent`` event, which Flower shows, would carry a
+    trigger's payload and a resume token (``agentruns.tasks._Task``). Every worker
+    since Celery 4 reads both protocols."""
+
+    def create_task_message(self, task_id: str, name: str, *args: Any, **kwargs: Any) -> Any:
+        if name.startswith("agentruns."):
+            create = self.as_task_v2
+        else:
+            create = self.task_protocols[self.app.conf.task_protocol]
+        return create(task_id, name, *args, **kwargs)
+
+
+app = Celery("agentruns", include=["agentruns.tasks"], amqp=AMQP)
 # Both are read lazily, when the configuration is first needed, not on import.
 app.add_defaults(defaults)
 if _celeryconfig() is not None:
@@ -149,7 +167,7 @@ if _celeryconfig() is not None:
 @app.on_after_configure.connect  # type: ignore[untyped-decorator]
 def _configured(sender: Celery, **_: Any) -> None:
     conf = sender.conf
-    _follow_default_queue(conf, _apply_celeryconfig(conf))
+    _follow_default_queue(sender, _apply_celeryconfig(conf))
     _pick_transport(sender)
     _say_what_overrode_the_environment(conf)
 
@@ -183,23 +201,45 @@ def _say_what_overrode_the_environment(conf: Any) -> None:
         )
 
 
-def _follow_default_queue(conf: Any, module_set: set[str]) -> None:
+def _follow_default_queue(sender: Celery, module_set: set[str]) -> None:
     """Workers consume the queue producers send to, and the sweeps are routed to a
     queue workers consume, whatever the deployment's celeryconfig set (new-style or
-    old-style names): else every message would wait in a queue nobody reads."""
+    old-style names): else every message would wait in a queue nobody reads. Where
+    the deployment's own routes send a sweep, it goes there."""
+    conf = sender.conf
     queue = conf.task_default_queue
     consumed = {q.name for q in conf.task_queues or ()}
     if queue not in consumed and not {"task_queues", "CELERY_QUEUES"} & module_set:
         conf.task_queues = _queues(queue)["task_queues"]
         consumed = {queue, sweeps_queue(queue)}
-    routes = conf.task_routes
-    if routes is None or isinstance(routes, dict):
-        sweeps = sweeps_queue(queue) if sweeps_queue(queue) in consumed else queue
-        fixed = dict(routes or {})
-        for task in ("agentruns.tick", "agentruns.recover"):
-            if (fixed.get(task) or {}).get("queue") not in consumed:
-                fixed[task] = {"queue": sweeps}
-        conf.task_routes = fixed
+    sweeps = sweeps_queue(queue) if sweeps_queue(queue) in consumed else queue
+    conf.task_routes = _route_sweeps(sender, sweeps)
+
+
+def _route_sweeps(sender: Celery, queue: str) -> Any:
+    """The ``task_routes`` that send beat's sweeps where the deployment's own routes
+    send them (an exact name, a glob such as ``agentruns.*``, a router), and to
+    ``queue`` where none does. Routes to the sweeps queue of ``AGENTRUNS_QUEUE``
+    are :func:`defaults`' own (also in a celeryconfig that starts from them), not
+    the deployment's: they follow the default queue, as the queues do."""
+    ours = _queues(get_settings().queue)["task_routes"]
+    routes = sender.conf.task_routes
+    if isinstance(routes, dict):
+        routes = {k: v for k, v in routes.items() if not (k in ours and v == ours[k])}
+    theirs = Router(prepare(routes), app=sender)
+    added = {}
+    for task in SWEEPS:
+        try:
+            routed = theirs.lookup_route(task, (), {}, {}) is not None
+        except Exception:  # a router that fails here fails at the send too: ours go after it
+            log.warning("agentruns: could not ask task_routes where %s goes", task, exc_info=True)
+            routed = False
+        if not routed:
+            added[task] = {"queue": queue}
+    if not added or routes is None or isinstance(routes, dict):
+        return {**(routes or {}), **added}
+    # A list of routers (or one): ours come last, after every one of the deployment's.
+    return [*(routes if isinstance(routes, list | tuple) else [routes]), added]
 
 
 def _pick_transport(sender: Celery, **_: Any) -> None:
@@ -217,7 +257,8 @@ def _apply_celeryconfig(conf: Any) -> set[str]:
     that differ from :func:`defaults` (a module that starts from them, as the
     repository's does, sets every one of ours). Celery ranks defaults added with
     ``add_defaults`` above its config module, so without this the module could not
-    override any setting of :func:`defaults` (only add others)."""
+    override any setting of :func:`defaults` (only add others). Its ``beat_schedule``
+    is the one setting merged with ours, not put in its place."""
     if _celeryconfig() is None:
         return set()
     with cwd_in_path():
@@ -229,4 +270,8 @@ def _apply_celeryconfig(conf: Any) -> set[str]:
             conf[name] = value
             if name not in ours or ours[name] != value:
                 changed.add(name)
+    # A schedule of the module's own (either style of name) adds to beat's sweeps:
+    # without them, crashed runs are never recovered and approvals never expire. An
+    # entry of the same name replaces ours.
+    conf.beat_schedule = {**ours["beat_schedule"], **(conf.beat_schedule or {})}
     return changed

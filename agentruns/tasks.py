@@ -24,12 +24,12 @@ from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 from celery import Task
-from celery.exceptions import Reject
+from celery.exceptions import ImproperlyConfigured, Reject
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
 from agentruns.broker import send_together
-from agentruns.celery import app
+from agentruns.celery import AMQP, app
 from agentruns.engine import Engine
 from agentruns.errors import AgentrunsError, NotMigratedError
 from agentruns.runs import Run, RunStatus
@@ -101,6 +101,7 @@ class _Task(Task):  # type: ignore[misc]
     ) -> Any:
         """Celery's ``apply_async``; the message and its ``task-sent`` event are sent
         together, in one round trip (``agentruns.broker.send_together``)."""
+        _refuse_protocol_1(self.app)
         if "argsrepr" not in options and "kwargsrepr" not in options:
             options["argsrepr"], options["kwargsrepr"] = _arguments_shown(self, args, kwargs)
         if options.get("connection") is not None:  # Celery makes a producer of its own
@@ -110,6 +111,23 @@ class _Task(Task):  # type: ignore[misc]
             return Task.apply_async(self, args, kwargs, sent_id, pooled, *rest, **options)
 
         return send_together(self.app, send, producer, task_id)
+
+
+def _refuse_protocol_1(app: Any) -> None:
+    """A team's own Celery app set to ``task_protocol = 1`` would send these tasks in
+    messages without ``argsrepr``: their ``task-sent`` events would show a trigger's
+    payload and a resume token. agentruns' app sends its tasks with protocol 2
+    whatever the setting (``agentruns.celery.AMQP``); another app must too."""
+    conf = app.conf
+    if conf.task_protocol == 2 or conf.task_always_eager or isinstance(app.amqp, AMQP):
+        return
+    raise ImproperlyConfigured(
+        f"agentruns' tasks are sent with Celery's message protocol 2, and the app "
+        f"{app.main!r} has task_protocol = {conf.task_protocol!r}, whose task events "
+        "would show a trigger's payload and a resume token: set task_protocol = 2, or "
+        "make the app with Celery(..., amqp='agentruns.celery:AMQP'), which keeps the "
+        "setting for its other tasks"
+    )
 
 
 class _Request(Request):  # type: ignore[misc]
@@ -174,9 +192,21 @@ def _shown(name: str, value: Any) -> Any:
 
 
 def _task(name: str) -> Callable[[F], Any]:
-    """``app.task`` with the options every agentruns task shares (typed for mypy)."""
+    """``app.task`` with the options every agentruns task shares (typed for mypy).
+
+    The delivery options are the task's own, not read from the app's settings: a
+    team's own Celery app that includes ``agentruns.tasks`` keeps Celery's defaults
+    (acks early, a result per task), and a message its worker lost mid-task would be
+    a lost run (``defaults`` says why each is what it is)."""
     decorator: Callable[[F], Any] = app.task(
-        name=name, base=_Task, bind=True, throws=_EXPECTED, max_retries=None
+        name=name,
+        base=_Task,
+        bind=True,
+        throws=_EXPECTED,
+        max_retries=None,
+        acks_late=True,
+        reject_on_worker_lost=True,
+        ignore_result=True,
     )
     return decorator
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from celery import signals
 from celery.utils.imports import cwd_in_path
 
-from agentruns.celery import sweeps_queue
+from agentruns.celery import SWEEPS
 from agentruns.settings import get_settings
 
 if TYPE_CHECKING:
@@ -121,20 +121,41 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
 
 def _say_if_the_sweeps_queue_is_not_consumed(consumer: Any) -> None:
     """A worker started with ``-Q`` naming the runs' queue alone never gets beat's
-    sweeps: if no worker does, approvals never expire and lost runs stay lost."""
-    queue = getattr(getattr(consumer, "app", None), "conf", {}).get("task_default_queue")
+    sweeps: if no worker does, approvals never expire and lost runs stay lost. The
+    queues are where the tasks are routed (a deployment's ``task_routes`` may send
+    the sweeps elsewhere than the sweeps queue beside the runs')."""
+    app = getattr(consumer, "app", None)
     task_consumer = getattr(consumer, "task_consumer", None)
-    if not isinstance(queue, str) or task_consumer is None:
+    if app is None or task_consumer is None:
         return
+    runs = _routed_queue(app, "agentruns.execute")
     consumed = {q.name for q in task_consumer.queues}
-    if queue in consumed and sweeps_queue(queue) not in consumed:
+    sweeps = {_routed_queue(app, task) for task in SWEEPS}
+    missing = sorted(q for q in sweeps if q is not None and q not in consumed)
+    if runs in consumed and missing:
         log.warning(
-            "agentruns: this worker does not consume %r, where beat sends tick and "
-            "recover; unless another worker does, they never run (-Q %s,%s)",
-            sweeps_queue(queue),
-            queue,
-            sweeps_queue(queue),
+            "agentruns: this worker does not consume %s, where beat sends tick and "
+            "recover; unless another worker does, they never run (-Q %s)",
+            ", ".join(map(repr, missing)),
+            ",".join(sorted(consumed | set(missing))),
         )
+
+
+def _routed_queue(app: Any, task: str) -> str | None:
+    """The name of the queue the app's router sends ``task`` to. (Asked of its
+    routes, not its ``route()``, which adds a queue it routes to and does not know
+    to the queues a worker without ``-Q`` consumes after a reconnection.)"""
+    try:
+        route = app.amqp.router.lookup_route(task, (), {}, {})
+    except Exception:
+        log.debug("agentruns: could not route %s", task, exc_info=True)
+        return None
+    if route is None:
+        queue = app.conf.task_default_queue
+    else:  # a dict without a queue routes by exchange: not said here
+        queue = route.get("queue") if isinstance(route, dict) else route
+    name = getattr(queue, "name", queue)
+    return name if isinstance(name, str) else None
 
 
 def _on_worker_process_init(**_: Any) -> None:

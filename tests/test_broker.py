@@ -15,11 +15,13 @@ from celery import Celery
 from kombu import Connection
 from redis.connection import AbstractConnection
 
-from agentruns import Engine, SqlStore
+from agentruns import Agent, CeleryScheduler, Engine, RunStatus, SqlStore
 from agentruns.broker import TRANSPORT, Transport
 from agentruns.celery import _pick_transport
+from agentruns.models import ScriptedModel, text, tool_use
 from bench.cluster import forget_queue
-from tests.conftest import REDIS_URL, trigger
+from tests.conftest import REDIS_URL, EngineFactory, trigger
+from tests.support.agents import publish
 
 
 def _clients_made_by(transport: str | None, monkeypatch: pytest.MonkeyPatch) -> int:
@@ -243,6 +245,30 @@ def test_an_eager_task_runs_here_and_sends_nothing(
     result = tasks.tick.delay()
     assert result.successful() and ticked == [True]
     assert trips.sent == [] and _queued_ids(queue) == []
+
+
+def test_an_eager_app_runs_the_executions_its_scheduler_sends_here(
+    queue: str, make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With ``task_always_eager``, an answered approval's run, and the run its thread
+    held back meanwhile, run in the caller too: sent by name (``send_task``, which
+    ignores eager mode), they waited in the broker for a worker, and stayed queued."""
+    from agentruns import tasks
+
+    asks = Agent(
+        "asks", ScriptedModel([tool_use("publish", {"text": "hi"}), text("Done.")]), tools=[publish]
+    )
+    engine = make_engine([asks], scheduler=CeleryScheduler(tasks.app))
+    monkeypatch.setattr(tasks, "get_engine", lambda: engine)  # the worker's engine
+    monkeypatch.setitem(tasks.app.conf, "task_always_eager", True)
+    first = engine.get_run(tasks.dispatch.delay("asks", trigger({}), thread="t").get())
+    assert first.status is RunStatus.WAITING
+    held = engine.dispatch("asks", trigger({}), thread="t")  # behind the waiting run
+    assert engine.get_run(held.id).status is RunStatus.QUEUED
+    tasks.resume.delay(engine.approval_token(first.id), approved=True)
+    assert engine.get_run(first.id).status is RunStatus.COMPLETED
+    assert engine.get_run(held.id).status is RunStatus.COMPLETED  # the thread's next one ran
+    assert _queued_ids(queue) == []
 
 
 def test_an_eager_task_fails_on_an_outage_instead_of_retrying_in_itself(

@@ -8,11 +8,14 @@ an engine with a ``CeleryScheduler`` that calls ``recover()`` itself.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import runpy
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -25,6 +28,8 @@ import psycopg
 import pytest
 import redis
 import sqlalchemy as sa
+from celery import Celery
+from celery.exceptions import ImproperlyConfigured
 
 from agentruns import CeleryScheduler, Engine, RedisLeases, Run, RunStatus, SqlStore
 from agentruns.celery import CLOCK_SKEW_S, defaults, sweeps_queue
@@ -683,6 +688,56 @@ def test_a_worker_that_does_not_consume_the_sweeps_queue_says_so(
     assert "does not consume" not in full.output()
 
 
+def _deployment(tmp_path: Path, *lines: str) -> Path:
+    """A directory holding a team's own celeryconfig.py of these lines."""
+    conf = tmp_path / "deployment"
+    conf.mkdir(exist_ok=True)
+    (conf / "celeryconfig.py").write_text("\n".join(lines) + "\n")
+    return conf
+
+
+def _stop_and_show(group: BaseCluster) -> None:
+    group.stop(graceful=False)
+    for proc in group.procs:  # shown by pytest when the test failed
+        print(f"----- {proc.name} (pid {proc.pid}) -----\n{proc.output()[-6000:]}")
+
+
+def test_sweeps_go_where_a_teams_routes_send_agentruns_tasks(
+    tmp_path: Path, cluster: Cluster, queue: str
+) -> None:
+    # A team routes agentruns' tasks to a queue of their own with a glob, and starts
+    # its workers with -Q naming it: the sweeps went to the sweeps queue of the
+    # default one instead, which no worker read.
+    agents = f"{queue}.agents"
+    conf = _deployment(tmp_path, f"task_routes = {{'agentruns.*': {{'queue': {agents!r}}}}}")
+    group = BaseCluster(cluster.env, queue, tmp_path, cwd=conf)
+    try:
+        (worker,) = group.workers("agents", options=["-Q", agents])
+        group.beat()
+        for task in ("tick", "recover"):
+            ran = rf"agentruns\.{task}\[\S+\] succeeded"
+            wait_for(lambda t=ran: re.search(t, worker.output()), f"a {task} on the worker")
+        assert "does not consume" not in worker.output()
+    finally:
+        _stop_and_show(group)
+
+
+def test_a_worker_that_does_not_consume_where_the_sweeps_are_routed_says_so(
+    tmp_path: Path, cluster: Cluster, queue: str
+) -> None:
+    # It consumes the runs' queue and the sweeps queue beside it, but the team's
+    # routes send the sweeps elsewhere: it said nothing.
+    ops = f"{queue}.ops"
+    routes = {"agentruns.tick": {"queue": ops}, "agentruns.recover": {"queue": ops}}
+    conf = _deployment(tmp_path, f"task_routes = {routes!r}")
+    group = BaseCluster(cluster.env, queue, tmp_path, cwd=conf)
+    try:
+        (worker,) = group.workers("runs", options=["-Q", f"{queue},{sweeps_queue(queue)}"])
+        assert f"does not consume '{ops}'" in worker.output()
+    finally:
+        _stop_and_show(group)
+
+
 def test_a_sweep_from_a_beat_whose_clock_is_behind_is_still_run(
     cluster: Cluster, queue: str
 ) -> None:
@@ -714,6 +769,49 @@ def test_producer_messages_retry_an_outage_for_as_long_as_it_lasts() -> None:
 
     assert dispatch.max_retries is None and resume.max_retries is None
     assert cancel.max_retries is None
+
+
+def test_a_teams_own_app_runs_agentruns_tasks_with_their_delivery_options() -> None:
+    # Its settings are Celery's defaults (acks early, results kept): a message its
+    # worker lost mid-task was a lost run. (The tasks are shared: every app gets them.)
+    import agentruns.tasks  # noqa: F401
+
+    team = Celery("team", set_as_current=False)
+    names = ["dispatch", "execute", "resume", "cancel", "tick", "recover"]
+    for task in (team.tasks[f"agentruns.{name}"] for name in names):
+        assert task.app is team
+        assert (task.acks_late, task.reject_on_worker_lost, task.ignore_result) == (True,) * 3
+
+
+def _sent_messages(queue: str) -> list[dict[str, Any]]:
+    """The messages waiting in ``queue``, oldest first."""
+    client = redis.Redis.from_url(REDIS_URL)
+    try:
+        return [json.loads(m) for m in reversed(client.lrange(queue, 0, -1))]
+    finally:
+        client.close()
+
+
+def test_a_teams_own_app_on_message_protocol_1_refuses_to_send_agentruns_tasks(
+    queue: str,
+) -> None:
+    """Protocol 1 has no ``argsrepr``: its task events would show a trigger's payload
+    and a resume token. Made with agentruns' AMQP, the app sends them with protocol 2."""
+    from agentruns.tasks import dispatch
+
+    team = Celery("team", broker=REDIS_URL, set_as_current=False)
+    team.conf.update(task_protocol=1, task_default_queue=f"{queue}.team")
+    with pytest.raises(ImproperlyConfigured, match="task_protocol = 2"):
+        team.tasks[dispatch.name].delay("quick", trigger({"card": "4111-SECRET"}))
+    team = Celery("team", broker=REDIS_URL, amqp="agentruns.celery:AMQP", set_as_current=False)
+    team.conf.update(task_protocol=1, task_default_queue=f"{queue}.team")
+    try:
+        team.tasks[dispatch.name].delay("quick", trigger({"card": "4111-SECRET"}))
+        (message,) = _sent_messages(f"{queue}.team")
+        assert message["headers"]["task"] == "agentruns.dispatch"  # protocol 2's header
+        assert "<payload>" in message["headers"]["argsrepr"]
+    finally:
+        forget_queue(f"{queue}.team")
 
 
 class TaskEvents:
@@ -790,6 +888,55 @@ def test_task_events_show_no_trigger_payload_and_no_resume_token(
         "the dispatched run",
     )
     assert run.trigger.payload == {"card": "4111-SECRET"}
+
+
+SEND_ON_PROTOCOL_1 = """
+import json
+from agentruns.celery import app
+from agentruns.tasks import dispatch, resume
+assert app.conf.task_protocol == 1
+trigger = {"source": "manual", "trigger": "manual", "payload": {"card": "4111-SECRET"}}
+sent = [dispatch.delay("quick", trigger).id, resume.delay("TOKEN-SECRET.sig", True).id]
+sent.append(app.send_task("team.report", args=["TEAM-ARGS"]).id)
+print(json.dumps(sent))
+"""
+
+
+def test_a_celeryconfig_on_message_protocol_1_still_hides_payloads_and_tokens(
+    tmp_path: Path, queue: str
+) -> None:
+    # Protocol 1's messages have no argsrepr: their task-sent events showed
+    # everything. agentruns' tasks go with protocol 2; the team's keep protocol 1.
+    sent_to = f"{queue}.proto1"  # no worker reads it
+    conf = _deployment(tmp_path, "task_protocol = 1")
+    env = {
+        **os.environ,
+        "AGENTRUNS_DATABASE_URL": "sqlite:///x.db",
+        "AGENTRUNS_BROKER_URL": REDIS_URL,
+        "AGENTRUNS_QUEUE": sent_to,
+        "PYTHONPATH": str(ROOT),
+    }
+    try:
+        with TaskEvents() as events:
+            out = subprocess.run(
+                [sys.executable, "-c", SEND_ON_PROTOCOL_1],
+                cwd=conf,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                check=True,
+            ).stdout
+            ids = json.loads(out.strip().splitlines()[-1])
+            wait_for(lambda: len(events.of(*ids)) == 3 or None, "the task-sent events")
+        for event in events.of(*ids[:2]):
+            assert "SECRET" not in f"{event['args']} {event['kwargs']}", event
+        dispatched, resumed, theirs = _sent_messages(sent_to)
+        assert dispatched["headers"]["task"] == "agentruns.dispatch"  # protocol 2
+        assert resumed["headers"]["argsrepr"] == "(<resume token>, True)"
+        assert "task" not in theirs["headers"]  # protocol 1
+    finally:
+        forget_queue(sent_to)
 
 
 def test_what_a_worker_lists_of_its_held_tasks_shows_no_payload_and_no_token(

@@ -195,3 +195,56 @@ def test_a_broker_or_queue_other_than_the_environment_names_is_said(tmp_path: Pa
     assert "not redis://127.0.0.1:6379/13 from AGENTRUNS_BROKER_URL" in said
     assert "the Celery queue is 'team_q', set by celeryconfig (" in said
     assert "hunter2" not in said
+
+
+SCHEDULE_PROBE = """
+import json
+from agentruns.celery import app
+print(json.dumps({name: entry["schedule"] for name, entry in app.conf.beat_schedule.items()}))
+"""
+
+
+@pytest.mark.parametrize("name", ["beat_schedule", "CELERYBEAT_SCHEDULE"])  # Celery's old name too
+def test_a_celeryconfigs_beat_schedule_adds_to_the_sweeps(tmp_path: Path, name: str) -> None:
+    # A team's own periodic task replaced beat's whole schedule: no tick and no
+    # recover, so crashed runs were never recovered and approvals never expired.
+    lines = [
+        f"{name} = {{",
+        '    "nightly-report": {"task": "myproj.report", "schedule": 3600.0},',
+        '    "agentruns.recover": {"task": "agentruns.recover", "schedule": 60.0},',
+        "}",
+    ]
+    out = _beside_celeryconfig(tmp_path, lines, SCHEDULE_PROBE).stdout
+    schedule = json.loads(out.strip().splitlines()[-1])
+    tick = defaults()["beat_schedule"]["agentruns.tick"]["schedule"]
+    # Its entry of the same name as one of ours replaces ours.
+    assert schedule == {"nightly-report": 3600.0, "agentruns.tick": tick, "agentruns.recover": 60.0}
+
+
+ROUTE_PROBE = """
+import json
+from agentruns.celery import app
+tasks = ["agentruns.dispatch", "agentruns.execute", "agentruns.tick", "agentruns.recover"]
+print(json.dumps({t: app.amqp.router.route({}, t, (), {})["queue"].name for t in tasks}))
+"""
+
+
+@pytest.mark.parametrize(
+    ("routes", "tick", "recover"),
+    [
+        # A glob: the sweeps went to default.sweeps, which a worker `-Q agents` never reads.
+        ('{"agentruns.*": {"queue": "agents"}}', "agents", "agents"),
+        # An exact name, to a queue of the deployment's own (not in task_queues).
+        ('{"agentruns.tick": {"queue": "ops"}}', "ops", "default.sweeps"),
+        # A list of routers that leaves the sweeps alone: ours.
+        ('[{"agentruns.dispatch": "agents"}]', "default.sweeps", "default.sweeps"),
+    ],
+)
+def test_a_celeryconfigs_routes_decide_where_the_sweeps_go_where_they_match(
+    tmp_path: Path, routes: str, tick: str, recover: str
+) -> None:
+    lines = ['task_default_queue = "default"', f"task_routes = {routes}"]
+    out = _beside_celeryconfig(tmp_path, lines, ROUTE_PROBE).stdout
+    queues = json.loads(out.strip().splitlines()[-1])
+    assert (queues["agentruns.tick"], queues["agentruns.recover"]) == (tick, recover)
+    assert queues["agentruns.execute"] == ("agents" if "agentruns.*" in routes else "default")

@@ -59,7 +59,7 @@ from agentruns.store.base import (
     RunRef,
     Store,
 )
-from agentruns.store.schema import KEY_LENGTH
+from agentruns.store.schema import KEY_LENGTH, THREAD_KEY
 from agentruns.store.sql import SqlStore
 
 log = logging.getLogger("agentruns")
@@ -67,7 +67,7 @@ log = logging.getLogger("agentruns")
 # How long an execution waits for a free slot before looking again (drain, fallback).
 _SLOT_WAIT_S = 0.2
 # The concurrency key of a run in a thread with none of its own: this, then its name.
-_THREAD_KEY = "thread:"
+_THREAD_KEY = THREAD_KEY
 _INFRASTRUCTURE = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,

@@ -17,6 +17,7 @@ stored messages stay append-only and the transcript stays valid.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -121,6 +122,7 @@ class Execution:
         self.reason: Abort | None = None
         self.deadline: float | None = None
         self._guard = Guard(status=RunStatus.RUNNING, epoch=self.epoch)
+        self._saved = False  # whether this execution committed a write
         self._step_started = utcnow()
 
     @property
@@ -153,15 +155,7 @@ class Execution:
             self._settle_quietly(RunStatus.FAILED, error)
         except Exception as exc:
             if stops_the_task(exc):
-                # A worker's time limit, just before the pool kills the process: the
-                # run goes back whole, for recover(), as a drain leaves it (what its
-                # step in progress did is redone, as after a crash).
-                log.warning(
-                    "run %s: %s stopped its execution; recover() resumes it",
-                    self.run.id,
-                    exception_text(exc),
-                )
-                self._settle_quietly(RunStatus.INTERRUPTED)
+                self._stopped(exc)
                 return self.run
             self.engine.report(exc)
             if not self.engine.is_infrastructure_error(exc):
@@ -565,6 +559,7 @@ class Execution:
         with self.engine.events.writing(self.run.id):
             committed = self.store.commit(self.run, self._guard, write)
             assert committed is not None  # a running guard raises instead
+            self._saved = True
             self.run = committed.run
             self.engine.published(committed)
         return self.run
@@ -649,6 +644,41 @@ class Execution:
             )
         )
         raise _Stop
+
+    def _stopped(self, exc: Exception) -> None:
+        """A worker's time limit stopped the execution, just before the pool kills the
+        process. The run goes back whole, for recover(), as a drain leaves it (what its
+        step in progress did is redone, as after a crash) if this execution saved
+        anything. If it saved nothing, the next would be stopped at the same point
+        (a model call or a tool longer than the limit), again after every recovery:
+        the run fails with ``timeout`` instead."""
+        if self._saved:
+            log.warning(
+                "run %s: %s stopped its execution; recover() resumes it",
+                self.run.id,
+                exception_text(exc),
+            )
+            status, error = RunStatus.INTERRUPTED, None
+        else:
+            status, error = (
+                RunStatus.FAILED,
+                RunError(
+                    code="timeout",
+                    message="the worker's time limit stopped the execution before it saved a step"
+                    " (a model call or a tool took longer than task_time_limit allows)",
+                ),
+            )
+        try:
+            self._settle(status, error=error)
+        except _Stop:
+            pass
+        except LeaseLostError:
+            # Stopped just after a write that settled the run (before this execution
+            # knew its result), or another engine has it: the run is as stored.
+            with contextlib.suppress(Exception):
+                self.run = self.store.get_run(self.run.id)
+        except Exception as exc:
+            self.engine.report(exc)
 
     def _settle_quietly(self, status: RunStatus, error: RunError | None = None) -> None:
         try:

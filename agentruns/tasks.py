@@ -79,6 +79,16 @@ class _Task(Task):  # type: ignore[misc]
             return _NO_SOFT_LIMIT_S
         return hard - min(_SOFT_LIMIT_LEAD_S, hard / 4)
 
+    def _get_exec_options(self) -> dict[str, Any]:
+        """Celery's, without the time limits. Celery writes a task's limits into each
+        message, and a worker takes a message's over its own: the limits would be the
+        sender's (a producer's settings, or none at all in a team's own app, whose
+        soft limit of 10^9 s would also keep the pool's hard timer from ever
+        starting). Left out, the worker's settings decide, through the properties."""
+        options: dict[str, Any] = dict(super()._get_exec_options())
+        options["time_limit"] = options["soft_time_limit"] = None
+        return options
+
     @classmethod
     def annotate(cls) -> None:
         """Celery's annotations, but a ``soft_time_limit`` (``{"*": {...}}`` reaches

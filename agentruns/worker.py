@@ -107,7 +107,8 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     if soft:
         log.warning(
             "agentruns: its tasks ignore the worker's soft time limit (%s s): it would "
-            "raise inside a tool at any point; Budget.timeout_s bounds a run instead",
+            "stop every execution longer than it, again after each recovery; "
+            "Budget.timeout_s bounds a run instead",
             soft,
         )
     if _pool is not None and pool_kind(_pool) != "prefork":

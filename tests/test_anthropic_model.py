@@ -518,6 +518,29 @@ def test_abort_during_a_slow_stream_raises_within_half_a_second(fake: FakeAnthro
     assert stalled.disconnected.wait(1)  # the HTTP response was closed, not left hanging
 
 
+def test_a_time_limit_during_a_stream_hangs_up_on_it(fake: FakeAnthropic) -> None:
+    # A Celery worker's time limit, raised where the caller waits for the stream:
+    # it was raised on, and the request went on streaming (and billing) behind it.
+    from celery.exceptions import SoftTimeLimitExceeded
+
+    fake.push(slow(30.0))
+
+    class LimitedAfterAWhile(threading.Event):
+        started = 0.0
+
+        def is_set(self) -> bool:
+            if self.started and time.monotonic() - self.started > 0.3:
+                raise SoftTimeLimitExceeded()
+            return super().is_set()
+
+    signal = LimitedAfterAWhile()
+    signal.started = time.monotonic()
+    with pytest.raises(SoftTimeLimitExceeded):
+        make_model(fake).complete(request(), signal)
+    [stalled] = fake.wait_for_requests(1)
+    assert stalled.disconnected.wait(1)
+
+
 def test_abort_during_the_retry_wait_stops_it_early(fake: FakeAnthropic) -> None:
     fake.push(error(529, retry_after=30), reply(text("unused")))
     signal = threading.Event()

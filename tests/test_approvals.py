@@ -810,3 +810,22 @@ def test_a_waiting_run_cancelled_lets_its_thread_go_on(
     # From the thread's last completed run: none, so from its own trigger alone.
     assert engine.get_run(second.id).output == "saw 1"
     assert calls.names() == []
+
+
+def test_a_waiting_run_holds_only_its_threads_own_line(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    # Held by thread and key, a waiting run of a thread given a key of its own held
+    # that whole key: the queued run of its thread it held was first in the key's
+    # line, and every later run of the key (other threads, no thread) waited too.
+    agent, _ = comment_agent(calls)
+    engine = make_engine([agent, _answers_with_its_transcript()])
+    first = engine.dispatch("triage", trigger({}), thread="t", concurrency_key="customer:42")
+    wait_until_waiting(engine, first.id)
+    same_thread = engine.dispatch("quick", trigger({}), thread="t", concurrency_key="customer:42")
+    other_thread = engine.dispatch("quick", trigger({}), thread="u", concurrency_key="customer:42")
+    no_thread = engine.dispatch("quick", trigger({}), concurrency_key="customer:42")
+    assert engine.idle(10)
+    for run in (same_thread, other_thread, no_thread):
+        assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    assert engine.get_run(first.id).status is RunStatus.WAITING

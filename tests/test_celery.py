@@ -612,14 +612,19 @@ def test_a_workers_soft_time_limit_does_not_cut_into_a_run(
 
 
 def test_a_workers_time_limit_interrupts_a_run_that_recover_resumes(
-    tmp_path: Path, cluster: Cluster, engine: Engine
+    tmp_path: Path, cluster: Cluster, engine: Engine, celery_app: Any
 ) -> None:
     """The hard limit was also the soft one, and the prefork pool raises the soft
     one first, wherever the task is: the model call it stopped failed the run
     (model_error), a tool it stopped was the tool's error. A soft limit of
     ``task_annotations`` reached the tasks too. Now the soft limit comes a little
     before the hard one and the execution settles its run interrupted; the
-    annotation's limit is ignored."""
+    annotation's limit is ignored. The limits are the worker's: a message carried
+    the producer's (with this process's settings, soft 2990 s), which won."""
+    import agentruns.tasks  # noqa: F401
+
+    assert celery_app.tasks["agentruns.execute"]  # finalized: sends read the task's options
+
     conf = tmp_path / "deployment"
     conf.mkdir()
     (conf / "celeryconfig.py").write_text(

@@ -818,6 +818,13 @@ def _plan(
     return nodes
 
 
+def _plan_nodes(node: dict[str, object]) -> list[dict[str, object]]:
+    """A plan node and every node under it."""
+    below = node.get("Plans", [])
+    assert isinstance(below, list)
+    return [node, *(n for child in below for n in _plan_nodes(child))]
+
+
 def _scans(nodes: list[dict[str, object]]) -> set[str]:
     """The indexes a plan scans, and ``Seq Scan`` if it reads a table of runs in full."""
     found = {str(n["Index Name"]) for n in nodes if "Index Name" in n}
@@ -852,6 +859,46 @@ def test_a_keys_line_is_read_without_the_runs_it_finished(db_url: str, statement
     scans = _scans(_plan(db_url, *text_and_params))
     assert "agentruns_runs_key_line" in scans and "Seq Scan" not in scans, scans
     assert "agentruns_runs_key_created" not in scans, scans
+    store.close()
+
+
+def test_a_threads_waiting_runs_are_looked_up_by_the_threads_index(db_url: str) -> None:
+    # Whether a run waiting on an approval holds its thread's next run: the lookup
+    # went through the key's index too, over the thread's whole history (20 ms at
+    # 200k finished runs, in the claim), or through the status index, over every
+    # run waiting anywhere.
+    from dataclasses import replace
+
+    from agentruns.store.postgres import CLAIM
+
+    store = SqlStore(db_url)
+    line = [
+        store.create_run(replace(new_run(key="thread:chat"), thread="chat"))[0] for _ in range(2)
+    ]
+    with psycopg.connect(db_url.replace("+psycopg", "", 1), autocommit=True) as conn:
+        seeds = (("completed", "'chat'", 200_000), ("waiting", "'t' || g", 50_000))
+        for status, thread, count in seeds:
+            conn.execute(
+                "INSERT INTO agentruns_runs (id, agent, status, trigger, concurrency_key, thread,"
+                " created_at, updated_at, finished_at)"
+                f" SELECT %(status)s || g, 'a', %(status)s, '{{}}', 'thread:' || {thread},"
+                f" {thread},"
+                " now() - interval '1 day' - g * interval '1 s', now(),"
+                " CASE WHEN %(status)s = 'completed' THEN now() END"
+                " FROM generate_series(1, %(count)s) AS g",
+                {"status": status, "count": count},
+            )
+        conn.execute("ANALYZE agentruns_runs")
+    values = {"run_id": line[1].id, "owner": "x", "expires_at": soon(), "now": utcnow()}
+    for text_and_params in (
+        (CLAIM.text, [values[name] for name in CLAIM.params]),
+        _sent(store, lambda: store.claimable(line[1].id)),
+        _sent(store, lambda: store.sweep_candidates(utcnow())),
+    ):
+        nodes = _plan(db_url, *text_and_params)
+        held = [n for n in nodes if n.get("Alias") == "held"]  # (a bitmap's indexes under it)
+        indexes = {str(i["Index Name"]) for n in held for i in _plan_nodes(n) if "Index Name" in i}
+        assert held and indexes == {"agentruns_runs_thread"}, (text_and_params[0], held)
     store.close()
 
 

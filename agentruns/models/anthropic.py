@@ -348,10 +348,15 @@ def _stream_once(
         target=attempt.run, args=(client, params), name="anthropic-stream", daemon=True
     )
     helper.start()
-    while not attempt.done.wait(_POLL_S):
-        if signal.is_set():
-            attempt.abort()
-            raise ModelAborted("aborted during the model call")
+    try:
+        while not attempt.done.wait(_POLL_S):
+            if signal.is_set():
+                raise ModelAborted("aborted during the model call")
+    except BaseException:
+        # Aborted, or stopped where it waits (a worker's time limit, a signal): the
+        # request is hung up on, not left streaming (and billed) behind it.
+        attempt.abort()
+        raise
     if signal.is_set():
         raise ModelAborted("aborted during the model call")
     if attempt.error is not None:

@@ -3,7 +3,7 @@
 -- an older run of its concurrency key is queued, running, or interrupted by a
 -- drain until recover() requeues it (oldest first, by the database's clock:
 -- a thread's runs keep their order, whatever the senders' clocks said), and in
--- a thread, while an older run of its thread waits on an approval. Any
+-- its thread's own line, while an older run of the line waits on an approval. Any
 -- running run of its key also makes the partial unique index refuse the update;
 -- the older running one is named here too because the index checks the row as
 -- committed, this as this statement's snapshot saw it: an older run leaving
@@ -27,16 +27,18 @@ WITH RECURSIVE run AS (
             WHERE older.concurrency_key = r.concurrency_key
               AND older.status IN ('queued', 'running', 'interrupted')
               AND (older.created_at, older.id) < (r.created_at, r.id))
-      -- A run of a thread also waits while an older run of its thread (and key) waits
-      -- on an approval: it continues that run's conversation, once it has ended. By
-      -- the thread's index, its unfinished runs (a waiting run has no finished_at);
-      -- not the status index (hence COALESCE), which holds every waiting run.
-      AND (r.thread IS NULL OR NOT EXISTS (
+      -- A run in its thread's own line (its key is the thread's, as dispatch makes
+      -- it) also waits while an older run of the line waits on an approval: it
+      -- continues that run's conversation, once it has ended. By the thread's index,
+      -- its unfinished runs (a waiting run has no finished_at); not the status index
+      -- nor the key's (hence COALESCE), which hold every waiting run and the key's
+      -- whole history.
+      AND (r.thread IS NULL OR r.concurrency_key <> 'thread:' || r.thread OR NOT EXISTS (
             SELECT 1 FROM agentruns_runs AS held
             WHERE held.thread = r.thread
               AND held.finished_at IS NULL
               AND COALESCE(held.status, '') = 'waiting'
-              AND held.concurrency_key = r.concurrency_key
+              AND COALESCE(held.concurrency_key, '') = r.concurrency_key
               AND (held.created_at, held.id) < (r.created_at, r.id)))))
     RETURNING r.*
 )

@@ -34,9 +34,12 @@ TOOL_CALL_ID_LENGTH = 200
 
 # The statuses of the runs that hold a place in their concurrency key's line: an
 # older run queued, running, or interrupted (by a drain, until recover() requeues
-# it) holds back a newer queued one (see claim.sql). In a thread, an older run of
-# the thread and key waiting on an approval does too (by the thread's index).
+# it) holds back a newer queued one (see claim.sql). In a thread's own line, an
+# older run of it waiting on an approval does too (by the thread's index).
 LINE = ("queued", "running", "interrupted")
+# A thread's own concurrency key (its runs' unless they have one of their own) is
+# this and its name: its line is the thread's, which a waiting run also holds.
+THREAD_KEY = "thread:"
 LINE_WHERE = f"status IN ({', '.join(map(repr, LINE))}) AND concurrency_key IS NOT NULL"
 
 runs = sa.Table(

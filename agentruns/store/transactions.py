@@ -138,15 +138,23 @@ def in_turn() -> Any:
     held = R.alias("held")
     not_held = ~sa.exists(
         sa.select(held.c.id).where(
-            # By the thread's index: its unfinished runs (a waiting run has no finish).
+            # By the thread's index, its unfinished runs (a waiting run has no finish);
+            # not the status index nor the key's (hence the coalesces), which hold
+            # every waiting run and the key's whole history.
             held.c.thread == R.c.thread,
             held.c.finished_at.is_(None),
-            held.c.status == literal(RunStatus.WAITING.value),
-            held.c.concurrency_key == R.c.concurrency_key,
+            sa.func.coalesce(held.c.status, "") == literal(RunStatus.WAITING.value),
+            sa.func.coalesce(held.c.concurrency_key, "") == R.c.concurrency_key,
             sa.tuple_(held.c.created_at, held.c.id) < sa.tuple_(R.c.created_at, R.c.id),
         )
     )
-    return sa.or_(R.c.concurrency_key.is_(None), sa.and_(no_older, not_held))
+    # Only in a thread's own line (its key is the thread's, as dispatch makes it): a
+    # key of the runs' own is a line others share, which one waiting run would hold.
+    own_line = R.c.concurrency_key == literal(schema.THREAD_KEY) + R.c.thread
+    return sa.or_(
+        R.c.concurrency_key.is_(None),
+        sa.and_(no_older, sa.or_(R.c.thread.is_(None), ~own_line, not_held)),
+    )
 
 
 def claimable(run_id: str) -> Any:

@@ -1858,7 +1858,24 @@ def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
 def test_a_run_row_damaged_by_hand_is_read_listed_and_failed_once(
     request: pytest.FixtureRequest, store: str, column: str, damage: str
 ) -> None:
-    make_engine = engines_on(request, store)
+    _a_damaged_row_is_read_listed_and_failed_once(engines_on(request, store), column, damage)
+
+
+@pytest.mark.parametrize("column", ["trigger", "budget", "waiting"])
+def test_a_sqlite_run_row_whose_json_is_not_json_is_read_listed_and_failed_once(
+    request: pytest.FixtureRequest, column: str
+) -> None:
+    # SQLite keeps JSON as text, which a hand edit can leave as anything: decoding
+    # it failed every read of a list of runs (`agentruns runs`), not only that row.
+    # (Postgres refuses such text.)
+    _a_damaged_row_is_read_listed_and_failed_once(
+        engines_on(request, "sqlite"), column, '{"nope": 1'
+    )
+
+
+def _a_damaged_row_is_read_listed_and_failed_once(
+    make_engine: EngineFactory, column: str, damage: str
+) -> None:
     agent = Agent("a", ScriptedModel([text("ok")]))
     producer = make_engine([agent], scheduler=ManualScheduler())
     damaged = producer.dispatch("a", trigger({"n": 1}), concurrency_key="k")

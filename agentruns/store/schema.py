@@ -7,6 +7,9 @@ written per step do not grow with the transcript.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import sqlalchemy as sa
 
 # A step's name: its tool's, or the model's (what a model asks for is cut to this).
@@ -19,6 +22,31 @@ TS = sa.DateTime(timezone=True)
 # Steps and messages point at their run by this 8-byte key, not by the 36-character
 # id: they are the rows written on every step, and so is their primary key index.
 RunKey = sa.BigInteger().with_variant(sa.Integer(), "sqlite")
+
+
+class JSON(sa.TypeDecorator[Any]):
+    """JSON, read back as its text where that text is not JSON at all. SQLite keeps
+    JSON as text, which a hand edit can leave as anything; decoding it failed a whole
+    read (every list of runs), where a value of the wrong shape reads as unreadable,
+    that column alone (``rows.read_run``). Postgres refuses such text, and decodes
+    its own JSON (then there is nothing to decode here)."""
+
+    impl = sa.JSON
+    cache_ok = True
+
+    def result_processor(self, dialect: Any, coltype: Any) -> Callable[[Any], Any] | None:
+        decode = self.impl_instance.result_processor(dialect, coltype)
+        if decode is None:
+            return None
+
+        def tolerant(value: Any) -> Any:
+            try:
+                return decode(value)
+            except ValueError:  # json's JSONDecodeError is one
+                return value
+
+        return tolerant
+
 
 # The longest idempotency key, concurrency key or thread name, in characters.
 KEY_LENGTH = 500
@@ -49,13 +77,13 @@ runs = sa.Table(
     sa.Column("id", sa.String(64), nullable=False, unique=True),
     sa.Column("agent", sa.String(AGENT_NAME_LENGTH), nullable=False),
     sa.Column("status", sa.String(16), nullable=False),
-    sa.Column("trigger", sa.JSON, nullable=False),
+    sa.Column("trigger", JSON, nullable=False),
     sa.Column("idempotency_key", sa.String(KEY_LENGTH), unique=True),
     sa.Column("concurrency_key", sa.String(KEY_LENGTH)),
     sa.Column("thread", sa.String(KEY_LENGTH)),
-    sa.Column("budget", sa.JSON),
+    sa.Column("budget", JSON),
     sa.Column("output", sa.Text),
-    sa.Column("error", sa.JSON),
+    sa.Column("error", JSON),
     sa.Column("input_tokens", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("output_tokens", sa.BigInteger, nullable=False, server_default="0"),
     sa.Column("cache_creation_input_tokens", sa.BigInteger, nullable=False, server_default="0"),
@@ -71,7 +99,7 @@ runs = sa.Table(
     sa.Column("base_count", sa.Integer),
     # Fencing epoch: bumped by every claim; every write of a running run names it.
     sa.Column("epoch", sa.Integer, nullable=False, server_default="0"),
-    sa.Column("waiting", sa.JSON),
+    sa.Column("waiting", JSON),
     # The waiting wait point's token id, which a resume's guard compares: read out
     # of the JSON, a \u0000 anywhere in the tool's input made Postgres refuse it.
     sa.Column("waiting_token", sa.String(64)),
@@ -83,9 +111,9 @@ runs = sa.Table(
     sa.Column("checkpoint_messages", sa.Integer),
     sa.Column("checkpoint_reason", sa.String(64)),
     sa.Column("checkpoint_at", TS),
-    sa.Column("state", sa.JSON),
+    sa.Column("state", JSON),
     # Results and approval answers of the step in progress (see execution.py).
-    sa.Column("pending", sa.JSON),
+    sa.Column("pending", JSON),
     sa.Column("created_at", TS, nullable=False),
     sa.Column("updated_at", TS, nullable=False),
     sa.Column("started_at", TS),
@@ -131,9 +159,9 @@ steps = sa.Table(
     sa.Column("idx", sa.Integer, primary_key=True, autoincrement=False),
     sa.Column("kind", sa.String(8), nullable=False),
     sa.Column("name", sa.String(STEP_NAME_LENGTH)),
-    sa.Column("input", sa.JSON),
-    sa.Column("output", sa.JSON),
-    sa.Column("error", sa.JSON),
+    sa.Column("input", JSON),
+    sa.Column("output", JSON),
+    sa.Column("error", JSON),
     sa.Column("started_at", TS, nullable=False),
     sa.Column("finished_at", TS, nullable=False),
 )
@@ -143,7 +171,7 @@ messages = sa.Table(
     metadata,
     sa.Column("run_key", RunKey, primary_key=True, autoincrement=False),
     sa.Column("seq", sa.Integer, primary_key=True, autoincrement=False),
-    sa.Column("body", sa.JSON, nullable=False),
+    sa.Column("body", JSON, nullable=False),
 )
 
 effects = sa.Table(
@@ -155,7 +183,7 @@ effects = sa.Table(
     sa.Column("idempotency_key", sa.String(300), nullable=False),
     # "started" once the intent is recorded, "done" once the result is.
     sa.Column("status", sa.String(16), nullable=False),
-    sa.Column("result", sa.JSON),
+    sa.Column("result", JSON),
     sa.Column("is_error", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("started_at", TS, nullable=False),
     sa.Column("finished_at", TS),

@@ -2099,6 +2099,14 @@ def _stops_at(where: str) -> tuple[Agent, list[str]]:
     return agent, did
 
 
+def _stopped_once(make_engine: EngineFactory, where: str) -> tuple[Engine, Run, list[str]]:
+    """A run of ``_stops_at(where)``'s agent after its first execution."""
+    agent, did = _stops_at(where)
+    engine = make_engine([agent], scheduler=ManualScheduler())
+    run = engine.dispatch("a", trigger({}))
+    return engine, engine.execute(run.id), did
+
+
 @pytest.mark.parametrize("where", ["look", "model 3", "pay"])
 def test_a_workers_time_limit_leaves_the_run_interrupted_for_recover(
     make_engine: EngineFactory, errors: Errors, where: str
@@ -2106,21 +2114,18 @@ def test_a_workers_time_limit_leaves_the_run_interrupted_for_recover(
     # Raised wherever the task was, the worker's time limit failed the run: as the
     # model's error (model_error), the tool's (a tool error the model was told of,
     # though an effect may have happened) or the agent's code (internal_error).
-    agent, did = _stops_at(where)
-    engine = make_engine([agent], scheduler=ManualScheduler())
-    run = engine.dispatch("a", trigger({}))
-    stopped = engine.execute(run.id)
+    engine, stopped, did = _stopped_once(make_engine, where)
     assert stopped.status is RunStatus.INTERRUPTED and stopped.claim is None
-    assert [s.error for s in engine.steps(run.id) if s.error] == []
+    assert [s.error for s in engine.steps(stopped.id) if s.error] == []
     assert errors == []
     engine.recover()
-    done = engine.execute(run.id)
+    done = engine.execute(stopped.id)
     if where == "pay":  # its side effect may have happened: not called again blindly
         assert done.status is RunStatus.FAILED
         assert done.error is not None and done.error.code == "effect_outcome_unknown"
         return
     assert done.status is RunStatus.COMPLETED and done.output == "done"
-    assert [s.error for s in engine.steps(run.id) if s.error] == []
+    assert [s.error for s in engine.steps(done.id) if s.error] == []
     assert did.count("pay") == 1
 
 
@@ -2130,14 +2135,11 @@ def test_a_workers_time_limit_before_anything_is_saved_fails_the_run(
 ) -> None:
     # Interrupted, a run whose model call (or tool) took longer than the limit was
     # stopped at the same point again after every recovery, a model call each time.
-    agent, _ = _stops_at(where)
-    engine = make_engine([agent], scheduler=ManualScheduler())
-    run = engine.dispatch("a", trigger({}))
-    stopped = engine.execute(run.id)
+    engine, stopped, _ = _stopped_once(make_engine, where)
     assert stopped.status is RunStatus.FAILED and stopped.claim is None
     assert stopped.error is not None and stopped.error.code == "timeout"
     assert "task_time_limit" in stopped.error.message
-    assert engine.get_run(run.id).status is RunStatus.FAILED
+    assert engine.get_run(stopped.id).status is RunStatus.FAILED
     assert errors == []
 
 

@@ -66,8 +66,6 @@ log = logging.getLogger("agentruns")
 
 # How long an execution waits for a free slot before looking again (drain, fallback).
 _SLOT_WAIT_S = 0.2
-# The concurrency key of a run in a thread with none of its own: this, then its name.
-_THREAD_KEY = THREAD_KEY
 _INFRASTRUCTURE = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
@@ -288,12 +286,12 @@ class Engine:
             if text == "":  # an unset variable, likely: it would make every run one
                 raise InvalidTriggerError(f"{what} must not be empty (None for none)")
         if concurrency_key is None and thread is not None:
-            concurrency_key = f"{_THREAD_KEY}{thread}"
+            concurrency_key = f"{THREAD_KEY}{thread}"
         if idempotency_key is None:
             idempotency_key = envelope.id
         for what, text, room in (
             # A thread's name is also its runs' concurrency key, after "thread:".
-            ("thread", thread, KEY_LENGTH - len(_THREAD_KEY)),
+            ("thread", thread, KEY_LENGTH - len(THREAD_KEY)),
             ("idempotency_key", idempotency_key, KEY_LENGTH),
             ("concurrency_key", concurrency_key, KEY_LENGTH),
         ):

@@ -680,7 +680,7 @@ class Execution:
         except Exception as exc:
             self.engine.report(exc)
 
-    def _settle_quietly(self, status: RunStatus, error: RunError | None = None) -> None:
+    def _settle_quietly(self, status: RunStatus, error: RunError) -> None:
         try:
             self._settle(status, error=error)
         except _Stop:

@@ -33,7 +33,7 @@ WITH RECURSIVE run AS (
       -- its unfinished runs (a waiting run has no finished_at); not the status index
       -- nor the key's (hence COALESCE), which hold every waiting run and the key's
       -- whole history.
-      AND (r.thread IS NULL OR r.concurrency_key <> 'thread:' || r.thread OR NOT EXISTS (
+      AND (r.thread IS NULL OR r.concurrency_key <> '{thread_key}' || r.thread OR NOT EXISTS (
             SELECT 1 FROM agentruns_runs AS held
             WHERE held.thread = r.thread
               AND held.finished_at IS NULL

@@ -101,7 +101,10 @@ COMMIT_ONE_LAZY = _commit("agentruns_commit_one_lazy", "append_one.sql", lazy=Tr
 _RUN_COLUMNS = tuple(column.name for column in schema.runs.columns)
 CLAIM = Prepared(
     "agentruns_claim",
-    _sql("claim.sql").format(run_columns=", ".join(f"run.{name}" for name in _RUN_COLUMNS)),
+    _sql("claim.sql").format(
+        run_columns=", ".join(f"run.{name}" for name in _RUN_COLUMNS),
+        thread_key=schema.THREAD_KEY,
+    ),
     (*_RUN_COLUMNS, "messages"),
 )
 CREATE = Prepared(

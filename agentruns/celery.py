@@ -236,8 +236,10 @@ def _route_sweeps(sender: Celery, queue: str) -> Any:
             routed = False
         if not routed:
             added[task] = {"queue": queue}
-    if not added or routes is None or isinstance(routes, dict):
+    if routes is None or isinstance(routes, dict):
         return {**(routes or {}), **added}
+    if not added:  # a list of routers (or one) that routes both: the deployment's as is
+        return routes
     # A list of routers (or one): ours come last, after every one of the deployment's.
     return [*(routes if isinstance(routes, list | tuple) else [routes]), added]
 

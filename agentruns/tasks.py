@@ -111,7 +111,7 @@ class _Task(Task):  # type: ignore[misc]
     ) -> Any:
         """Celery's ``apply_async``; the message and its ``task-sent`` event are sent
         together, in one round trip (``agentruns.broker.send_together``)."""
-        _refuse_protocol_1(self.app)
+        _refuse_protocol_1(self)
         if "argsrepr" not in options and "kwargsrepr" not in options:
             options["argsrepr"], options["kwargsrepr"] = _arguments_shown(self, args, kwargs)
         if options.get("connection") is not None:  # Celery makes a producer of its own
@@ -123,13 +123,23 @@ class _Task(Task):  # type: ignore[misc]
         return send_together(self.app, send, producer, task_id)
 
 
-def _refuse_protocol_1(app: Any) -> None:
+def _refuse_protocol_1(task: Any) -> None:
     """A team's own Celery app set to ``task_protocol = 1`` would send these tasks in
     messages without ``argsrepr``: their ``task-sent`` events would show a trigger's
     payload and a resume token. agentruns' app sends its tasks with protocol 2
-    whatever the setting (``agentruns.celery.AMQP``); another app must too."""
+    whatever the setting (``agentruns.celery.AMQP``); another app must too. Refused
+    where it is sent; but not where such an app's worker retries the message it
+    holds through an outage (refused there, the message would be dropped)."""
+    app = task.app
     conf = app.conf
     if conf.task_protocol == 2 or conf.task_always_eager or isinstance(app.amqp, AMQP):
+        return
+    if not task.request.called_directly:  # a worker's retry of the task it runs
+        log.warning(
+            "%s: retried with task_protocol = 1, whose task events show its arguments;"
+            " set task_protocol = 2",
+            task.name,
+        )
         return
     raise ImproperlyConfigured(
         f"agentruns' tasks are sent with Celery's message protocol 2, and the app "

@@ -271,6 +271,29 @@ def test_an_eager_app_runs_the_executions_its_scheduler_sends_here(
     assert _queued_ids(queue) == []
 
 
+def test_a_teams_own_eager_app_runs_the_executions_its_tasks_schedule_here(
+    queue: str, make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A team's own app, eager, that includes agentruns' tasks: the scheduler asked
+    agentruns' app, which is not eager, and the resumed run waited in the broker."""
+    from celery import Celery
+
+    from agentruns import tasks
+
+    asks = Agent(
+        "asks", ScriptedModel([tool_use("publish", {"text": "hi"}), text("Done.")]), tools=[publish]
+    )
+    engine = make_engine([asks], scheduler=CeleryScheduler(tasks.app))
+    monkeypatch.setattr(tasks, "get_engine", lambda: engine)  # the worker's engine
+    team = Celery("team", set_as_current=False)
+    team.conf.update(task_always_eager=True, broker_url=REDIS_URL, task_default_queue=queue)
+    first = engine.get_run(team.tasks[tasks.dispatch.name].delay("asks", trigger({})).get())
+    assert first.status is RunStatus.WAITING
+    team.tasks[tasks.resume.name].delay(engine.approval_token(first.id), approved=True)
+    assert engine.get_run(first.id).status is RunStatus.COMPLETED
+    assert _queued_ids(queue) == []
+
+
 def test_an_eager_task_fails_on_an_outage_instead_of_retrying_in_itself(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -808,6 +808,18 @@ def test_a_teams_own_app_on_message_protocol_1_refuses_to_send_agentruns_tasks(
     team.conf.update(task_protocol=1, task_default_queue=f"{queue}.team")
     with pytest.raises(ImproperlyConfigured, match="task_protocol = 2"):
         team.tasks[dispatch.name].delay("quick", trigger({"card": "4111-SECRET"}))
+    # But a worker of that app retrying the message it holds (an outage) sends it
+    # again: refused, the message was dropped, and with it the only record of a run.
+    team.conf.task_default_queue = f"{queue}.team-retry"
+    held = team.tasks[dispatch.name]
+    held.push_request(id="held-message", retries=0, called_directly=False)
+    try:
+        held.apply_async(("quick", trigger({"card": "4111"})))
+        assert len(_sent_messages(f"{queue}.team-retry")) == 1
+    finally:
+        held.pop_request()
+        forget_queue(f"{queue}.team-retry")
+    team.conf.task_default_queue = f"{queue}.team"
     team = Celery("team", broker=REDIS_URL, amqp="agentruns.celery:AMQP", set_as_current=False)
     team.conf.update(task_protocol=1, task_default_queue=f"{queue}.team")
     try:

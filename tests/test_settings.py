@@ -225,7 +225,8 @@ ROUTE_PROBE = """
 import json
 from agentruns.celery import app
 tasks = ["agentruns.dispatch", "agentruns.execute", "agentruns.tick", "agentruns.recover"]
-print(json.dumps({t: app.amqp.router.route({}, t, (), {})["queue"].name for t in tasks}))
+routed = {t: app.amqp.router.route({}, t, (), {})["queue"].name for t in tasks}
+print(json.dumps({**routed, "transport": app.conf.broker_transport}))
 """
 
 
@@ -238,6 +239,9 @@ print(json.dumps({t: app.amqp.router.route({}, t, (), {})["queue"].name for t in
         ('{"agentruns.tick": {"queue": "ops"}}', "ops", "default.sweeps"),
         # A list of routers that leaves the sweeps alone: ours.
         ('[{"agentruns.dispatch": "agents"}]', "default.sweeps", "default.sweeps"),
+        # A list that routes them: as it says (merged into a dict, it raised, and the
+        # configuration's later steps, the broker's transport among them, were skipped).
+        ('[{"agentruns.*": {"queue": "agents"}}]', "agents", "agents"),
     ],
 )
 def test_a_celeryconfigs_routes_decide_where_the_sweeps_go_where_they_match(
@@ -247,4 +251,5 @@ def test_a_celeryconfigs_routes_decide_where_the_sweeps_go_where_they_match(
     out = _beside_celeryconfig(tmp_path, lines, ROUTE_PROBE).stdout
     queues = json.loads(out.strip().splitlines()[-1])
     assert (queues["agentruns.tick"], queues["agentruns.recover"]) == (tick, recover)
+    assert queues["transport"] == "agentruns.broker:Transport"
     assert queues["agentruns.execute"] == ("agents" if "agentruns.*" in routes else "default")

@@ -34,7 +34,7 @@ class CeleryScheduler:
     def schedule(self, run_id: str) -> None:
         from agentruns.broker import send_together
 
-        if self.app.conf.task_always_eager:
+        if self.app.conf.task_always_eager or _inside_an_eager_task():
             self._execute_here(run_id)
             return
         try:
@@ -89,3 +89,11 @@ class CeleryScheduler:
 
     def close(self) -> None:
         pass
+
+
+def _inside_an_eager_task() -> bool:
+    """Called from a task running eagerly: a team's own app with ``task_always_eager``
+    that includes agentruns' tasks (this scheduler's app, agentruns', is not eager)."""
+    from celery import current_task
+
+    return current_task is not None and bool(current_task.request.is_eager)

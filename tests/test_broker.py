@@ -271,6 +271,28 @@ def test_an_eager_app_runs_the_executions_its_scheduler_sends_here(
     assert _queued_ids(queue) == []
 
 
+def test_an_eager_line_of_runs_runs_to_its_end_without_nesting_each_in_the_last(
+    queue: str, make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each finished run scheduled its key's next, which ran inside it: a line of
+    some 120 runs reached Python's recursion limit, and the rest stayed queued."""
+    from agentruns import tasks
+
+    asks = Agent(
+        "asks", ScriptedModel([tool_use("publish", {"text": "hi"}), text("Done.")]), tools=[publish]
+    )
+    quick = Agent("quick", ScriptedModel([text("ok")]))
+    engine = make_engine([asks, quick], scheduler=CeleryScheduler(tasks.app))
+    monkeypatch.setattr(tasks, "get_engine", lambda: engine)  # the worker's engine
+    monkeypatch.setitem(tasks.app.conf, "task_always_eager", True)
+    first = engine.dispatch("asks", trigger({}), thread="t")
+    assert engine.get_run(first.id).status is RunStatus.WAITING
+    line = [engine.dispatch("quick", trigger({"n": n}), thread="t") for n in range(200)]
+    tasks.resume.delay(engine.approval_token(first.id), approved=True)
+    assert {engine.get_run(run.id).status for run in line} == {RunStatus.COMPLETED}
+    assert _queued_ids(queue) == []
+
+
 def test_a_teams_own_eager_app_runs_the_executions_its_tasks_schedule_here(
     queue: str, make_engine: EngineFactory, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -3,10 +3,18 @@
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger("agentruns")
+
+# Eager executions run inside the call that scheduled them, and a finished run
+# schedules its key's next: a line of runs ran each inside the one before, until
+# Python's recursion limit (about 120 deep). Past this depth, they run one after
+# another in the outermost eager execution's call instead.
+_MOST_NESTED = 16
+_eager = threading.local()
 
 
 class CeleryScheduler:
@@ -57,7 +65,24 @@ class CeleryScheduler:
     def _execute_here(self, run_id: str) -> None:
         """With ``task_always_eager`` (a team's test settings), the execution runs now,
         in this process, as every other task does: sent by name, it would wait in the
-        broker for a worker nobody started, and the run would stay queued."""
+        broker for a worker nobody started, and the run would stay queued. (Nested
+        deeper than ``_MOST_NESTED``, it runs once the outermost one returns.)"""
+        depth: int = getattr(_eager, "depth", 0)
+        if depth >= _MOST_NESTED:
+            _eager.later.append((self, run_id))
+            return
+        if depth == 0:
+            _eager.later = []
+        _eager.depth = depth + 1
+        try:
+            self._apply(run_id)
+            while depth == 0 and _eager.later:
+                scheduler, later_id = _eager.later.pop(0)
+                scheduler._apply(later_id)
+        finally:
+            _eager.depth = depth
+
+    def _apply(self, run_id: str) -> None:
         import agentruns.tasks  # noqa: F401  (the task, registered on every app)
 
         try:

@@ -121,4 +121,5 @@ def _inside_an_eager_task() -> bool:
     that includes agentruns' tasks (this scheduler's app, agentruns', is not eager)."""
     from celery import current_task
 
-    return current_task is not None and bool(current_task.request.is_eager)
+    # (A proxy, never None itself: false when no task runs.)
+    return bool(current_task) and bool(current_task.request.is_eager)

@@ -220,10 +220,10 @@ class Engine:
         if new.concurrency_key is None and (nested or self._slots.acquire(timeout=_SLOT_WAIT_S)):
             run: Run | None = None
             try:
-                claimed = self._create_claimed(new)
-                if claimed is not None:
+                created = self._create_claimed(new)
+                if created is not None:
                     with self._executing():
-                        run = self._run_claimed(claimed)
+                        run = self._run_claimed(*created)
             finally:
                 if not nested:
                     self._slots.release()
@@ -235,9 +235,11 @@ class Engine:
             return self.execute(run.id)
         return run
 
-    def _create_claimed(self, new: NewRun) -> Claimed | None:
-        """``new`` stored claimed by this engine, with its lease; None if it cannot be."""
+    def _create_claimed(self, new: NewRun) -> tuple[Claimed, float] | None:
+        """``new`` stored claimed by this engine, with its lease, and when the lease was
+        taken (``time.monotonic``); None if it cannot be."""
         try:
+            leased = time.monotonic()
             if self._draining or not self.leases.acquire(new.id, self.owner, self.lease_ttl):
                 return None
         except Exception as exc:
@@ -250,7 +252,8 @@ class Engine:
             raise
         if claimed is None:  # the idempotency key is taken: that run goes the usual way
             self._release_lease(new.id)
-        return claimed
+            return None
+        return claimed, leased
 
     def _new_run(
         self,
@@ -388,6 +391,7 @@ class Engine:
         """The run after this engine claimed and executed it (and True), or as it is
         when it could not be claimed (and False)."""
         try:
+            leased = time.monotonic()
             if self._draining or not self.leases.acquire(run_id, self.owner, self.lease_ttl):
                 return self.store.get_run(run_id), False
         except Exception as exc:
@@ -407,7 +411,7 @@ class Engine:
             if run.status is RunStatus.QUEUED and run.concurrency_key is not None:
                 self._nudge_if_claimable(run_id)
             return run, False
-        return self._run_claimed(claimed), True
+        return self._run_claimed(claimed, leased), True
 
     def _nudge_if_claimable(self, run_id: str) -> None:
         """A keyed run's claim judged its key as it stood when the claim began: an
@@ -420,8 +424,9 @@ class Engine:
         except Exception as exc:
             self.report(exc)
 
-    def _run_claimed(self, claimed: Claimed) -> Run:
-        """Execute a run this engine claimed and holds the lease of; then let both go."""
+    def _run_claimed(self, claimed: Claimed, leased: float) -> Run:
+        """Execute a run this engine claimed and holds the lease of (taken at ``leased``,
+        by ``time.monotonic``); then let both go."""
         run = claimed.run
         run_id = run.id
         try:
@@ -434,10 +439,12 @@ class Engine:
                 execution = Execution(self, agent, claimed)
                 budget = run.budget or agent.budget
                 # Kept before anyone hears it runs: a cancel from then on reaches it.
-                self._keeper.keep(execution, budget.timeout_s)
+                held = self._keeper.keep(execution, budget.timeout_s, leased)
                 if self._draining:  # claimed as a drain began: it stops at once
                     execution.abort(Abort.DRAIN)
                 try:
+                    if not held:  # the claim came too late to be kept: nothing is done
+                        raise LeaseLostError(run_id)
                     self.events.run_updated(run)
                     run = execution.execute()
                 finally:

@@ -29,13 +29,14 @@ log = logging.getLogger("agentruns")
 
 
 class _Kept:
-    def __init__(self, execution: Execution, ttl: float, timeout_s: float | None):
+    def __init__(self, execution: Execution, ttl: float, timeout_s: float | None, leased: float):
         self.execution = execution
         now = time.monotonic()
-        self.next_renewal = now + ttl / 3
+        self.next_renewal = leased + ttl / 3
         self.deadline = now + timeout_s if timeout_s else None
-        # Until when the lease is known to be held: its last renewal's start plus a TTL.
-        self.held_until = now + ttl
+        # Until when the lease is known to be held: when it was taken (or last renewed,
+        # the renewal's start) plus a TTL.
+        self.held_until = leased + ttl
         self.renewing = False
 
 
@@ -69,9 +70,17 @@ class LeaseKeeper:
     def expiry(self) -> datetime:
         return utcnow() + timedelta(seconds=self._ttl)
 
-    def keep(self, execution: Execution, timeout_s: float | None) -> None:
+    def keep(self, execution: Execution, timeout_s: float | None, leased: float) -> bool:
+        """Keep the execution's lease and claim, the lease taken at ``leased`` (by
+        ``time.monotonic``). False if they cannot be kept: a claim that waited long
+        (behind a lock, for a connection) was written with an expiry that has passed
+        or soon will, and another engine's ``recover`` may take the run over at any
+        moment. Such a claim is renewed now, before the execution does anything."""
+        item = _Kept(execution, self._ttl, timeout_s, leased)
+        late = time.monotonic() - leased > self._ttl / 3
+        item.renewing = late  # renewed here, not by the watcher meanwhile
         with self._lock:
-            self._kept[execution.run_id] = _Kept(execution, self._ttl, timeout_s)
+            self._kept[execution.run_id] = item
             early = self._early.pop(execution.run_id, None)
             if self._thread is None:
                 self._thread = threading.Thread(
@@ -80,6 +89,10 @@ class LeaseKeeper:
                 self._thread.start()
         if early is not None and time.monotonic() - early[1] < self._ttl:
             execution.abort(early[0])
+        if late:
+            self._renew(item)
+            return execution.reason is not Abort.LEASE_LOST
+        return True
 
     def release(self, run_id: str) -> None:
         with self._lock:

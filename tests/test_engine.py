@@ -1244,11 +1244,11 @@ def test_a_cancel_heard_before_its_execution_is_kept_aborts_it_once_kept() -> No
     keeper.abort("r", Abort.CANCEL)
     keeper.abort("elsewhere", Abort.CANCEL)
     execution = Execution()
-    keeper.keep(execution, None)  # type: ignore[arg-type]
+    keeper.keep(execution, None, time.monotonic())  # type: ignore[arg-type]
     keeper.stop()
     assert execution.reason is Abort.CANCEL
     later = Execution()
-    keeper.keep(later, None)  # type: ignore[arg-type]
+    keeper.keep(later, None, time.monotonic())  # type: ignore[arg-type]
     assert later.reason is None  # heard once, applied once
 
 
@@ -2164,3 +2164,41 @@ def test_a_workers_time_limit_just_after_the_last_write_leaves_the_run_as_writte
     assert done.status is RunStatus.COMPLETED and done.output == "ok"
     assert errors == []
     assert engine.scheduler.scheduled.count(second.id) == 2  # type: ignore[attr-defined]
+
+
+def test_a_claim_that_waited_past_its_lease_is_given_up_not_run_beside_its_recovery(
+    make_engine: EngineFactory, db_url: str
+) -> None:
+    # The claim's expiry (and the lease) were set before its write waited for a lock;
+    # once it went through, the claim had expired, another engine's recover() took
+    # the run over, and both ran it: the effect twice. A claim that waited long is
+    # now renewed before anything runs, and given up if it cannot be.
+    calls: list[str] = []
+
+    @tool(effect=True)
+    def charge(ctx: ToolContext) -> str:
+        """Charge."""
+        calls.append(ctx.idempotency_key)
+        time.sleep(0.5)
+        return "charged"
+
+    def agent() -> Agent:
+        model = ScriptedModel([tool_use("charge", {}), text("done")])
+        return Agent("a", model, tools=[charge])
+
+    late = make_engine([agent()], scheduler=ManualScheduler(), lease_ttl=1.0)
+    other = make_engine([agent()], scheduler=ManualScheduler(), lease_ttl=1.0)
+    run = late.dispatch("a", trigger({}))
+    with psycopg.connect(db_url.replace("+psycopg", "", 1)) as lock:
+        lock.execute("SELECT 1 FROM agentruns_runs WHERE id = %s FOR UPDATE", (run.id,))
+        claiming = threading.Thread(target=late.execute, args=(run.id,))
+        claiming.start()
+        time.sleep(1.5)  # the claim waits behind the lock, past its lease's TTL
+    # It charges, or it gives the run up (and its execution ends).
+    wait_for(lambda: calls or not claiming.is_alive() or None, "the late claim to act")
+    assert other.recover() == [run.id]  # its claim expired: another engine takes it
+    done = other.execute(run.id)
+    claiming.join(10)
+    assert done.status is RunStatus.COMPLETED
+    assert late.get_run(run.id).status is RunStatus.COMPLETED
+    assert len(calls) == 1

@@ -279,14 +279,14 @@ def test_a_cancel_heard_before_its_run_is_kept_aborts_it_within_a_lease_ttl_only
             keeper.abort(f"elsewhere-{n}", Abort.CANCEL)
         keeper.abort("soon", Abort.CANCEL)
         soon = _Execution("soon")
-        keeper.keep(soon, None)  # type: ignore[arg-type]
+        keeper.keep(soon, None, time.monotonic())  # type: ignore[arg-type]
         assert soon.aborted[:1] == [Abort.CANCEL]
         keeper.release("soon")
         keeper.abort("late", Abort.CANCEL)
         time.sleep(0.3)
         keeper.abort("other", Abort.CANCEL)  # forgets those older than the TTL here
         late = _Execution("late")
-        keeper.keep(late, None)  # type: ignore[arg-type]
+        keeper.keep(late, None, time.monotonic())  # type: ignore[arg-type]
         assert Abort.CANCEL not in late.aborted  # (its lease, never taken, may be "lost")
     finally:
         keeper.stop()

@@ -290,6 +290,26 @@ def test_postgres_connections_give_up_on_a_server_gone_silent(db_url: str) -> No
         assert (params["keepalives"], params["keepalives_idle"]) == ("1", "10")
 
 
+@pytest.mark.parametrize("url", ["db_url", "sqlite_url"])
+def test_a_running_run_is_not_requeued_once_its_claim_was_renewed_since_the_sweep(
+    request: pytest.FixtureRequest, url: str
+) -> None:
+    # The sweep read an expired claim; its owner renewed it (a claim that had waited
+    # for a lock, renewed before it ran anything); the requeue went through anyway,
+    # guarded by status and epoch alone, and two engines ran the run.
+    store = SqlStore(request.getfixturevalue(url))
+    run, _ = store.create_run(new_run())
+    claimed = store.claim(run.id, "late", utcnow() - timedelta(seconds=1))
+    assert claimed is not None
+    ref = next(r for r in store.sweep_candidates(utcnow()) if r.id == run.id)
+    assert store.renew_claim(run.id, claimed.epoch, soon()) is False  # renewed
+    assert store.requeue(ref) is None
+    assert store.get_run(run.id).status is RunStatus.RUNNING
+    ref = next(r for r in store.sweep_candidates(utcnow()) if r.id == run.id)
+    assert store.requeue(ref) is not None  # as swept: requeued
+    store.close()
+
+
 def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url: str) -> None:
     store = SqlStore(db_url)
     run, _ = store.create_run(new_run())

@@ -519,6 +519,10 @@ class SqlStore:
         )
         if ref.status == RunStatus.QUEUED:
             stmt = stmt.where(R.c.updated_at == ref.updated_at)
+        elif ref.status == RunStatus.RUNNING and ref.claim_expires_at is not None:
+            # Not a claim its owner renewed since it was swept (a claim that waited long
+            # for a lock is renewed as soon as it is made: see the keeper).
+            stmt = stmt.where(R.c.claim_expires_at == ref.claim_expires_at)
         stmt = stmt.values(
             status=RunStatus.QUEUED.value,
             claim_owner=None,

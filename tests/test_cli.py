@@ -670,3 +670,43 @@ def test_watch_prints_a_start_before_the_steps_of_that_execution(cli: Cli) -> No
         ("step", i) for i in range(steps)
     ] + [("run", "waiting")]
     engine.close()
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql+psycopg://app:PWMARK@db.example/agentruns",
+        "postgresql+psycopg://app@db.example/agentruns?password=PWMARK&sslmode=require",
+        "postgresql+psycopg://app@db.example/agentruns?sslpassword=PWMARK",
+        "redis://redis.example:6379/0?password=PWMARK",
+    ],
+)
+def test_a_url_is_shown_without_its_passwords(url: str) -> None:
+    # A password given as a query parameter (libpq and redis-py take one) was shown
+    # in the CLI's errors and migrate's output, and in the store's schema errors.
+    from agentruns.cli.errors import safe_url
+
+    shown = safe_url(url)
+    assert "PWMARK" not in shown and "example" in shown
+    assert "sslmode=require" in shown or "sslmode" not in url
+
+
+def test_the_example_notifier_logs_no_resume_token(caplog: pytest.LogCaptureFixture) -> None:
+    # The token is a credential: the example agent (the default AGENTRUNS_AGENTS)
+    # logged it whole at INFO, in every worker's log.
+    from types import SimpleNamespace
+
+    from agentruns.runs import WaitPoint, utcnow
+
+    run: Any = SimpleNamespace(id="run-1")  # what the notifier reads of its run
+    wait = WaitPoint(
+        approval_id="a",
+        tool_name="post_comment",
+        input={"issue": "1"},
+        expires_at=utcnow(),
+        token_id="t",
+        tool_call_id="c",
+    )
+    with caplog.at_level("INFO"):
+        triage.notify(run, wait, "v1.TOKENMARK.SIGNATURE")
+    assert "TOKENMARK" not in caplog.text and "approve --run run-1" in caplog.text

@@ -1125,3 +1125,29 @@ def test_a_forked_child_leaves_its_parents_connections_alone(db_url: str) -> Non
     assert store.get_run(run.id).status is RunStatus.RUNNING
     _running(store)  # a write on the held connection
     store.close()
+
+
+def test_a_failed_statement_shows_no_parameters(
+    db_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A statement that failed (an outage) showed its parameters in its error, the
+    # start of a trigger's payload among them; errors reach logs, on_error and
+    # Celery's task events (Flower). Through SQLAlchemy and through the hot path.
+    from dataclasses import replace
+
+    from agentruns.store import postgres
+
+    store = SqlStore(db_url)
+    with pytest.raises(sa.exc.DBAPIError) as failed, store.engine.connect() as conn:
+        conn.execute(sa.text("SELECT CAST(:secret AS text), 1 / 0"), {"secret": "PAYLOADMARK"})
+    assert "PAYLOADMARK" not in str(failed.value)
+
+    def broken(self: object, statement: object, params: object) -> None:
+        raise psycopg.OperationalError("the server closed the connection")
+
+    monkeypatch.setattr(postgres._Session, "row", broken)
+    secret = TriggerEnvelope(source="m", trigger="m", payload={"ssn": "PAYLOADMARK"})
+    with pytest.raises(sa.exc.OperationalError) as failed_write:
+        store.create_run(replace(new_run(), trigger=secret))
+    assert "PAYLOADMARK" not in str(failed_write.value)
+    store.close()

@@ -79,13 +79,15 @@ def post_comment(issue: str, body: str, ctx: ToolContext) -> dict[str, Any]:
 
 
 def notify(run: Run, wait: WaitPoint, token: str) -> None:
-    """Where a real deployment would page a person (Slack, email) with the token."""
+    """Where a real deployment would page a person (Slack, email) with the token. The
+    token is a credential: it goes to that person, never into a log, which says how
+    an operator who holds the secret can answer instead."""
     log.info(
-        "run %s waits for approval of %s(%s): agentruns approve %s",
+        "run %s waits for approval of %s(%s): agentruns approve --run %s",
         run.id,
         wait.tool_name,
         json.dumps(wait.input),
-        token,
+        run.id,
     )
 
 

@@ -7,7 +7,6 @@ from typing import Any
 import redis
 import sqlalchemy.exc
 from pydantic import ValidationError
-from sqlalchemy.engine import make_url
 
 from agentruns.errors import (
     AgentrunsError,
@@ -18,6 +17,7 @@ from agentruns.errors import (
     UnknownAgentError,
     exception_text,
 )
+from agentruns.store.connect import shown_url
 
 BAD_INPUT = 2
 FAILURE = 1
@@ -40,10 +40,7 @@ class CliError(Exception):
 
 
 def safe_url(url: str) -> str:
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:
-        return url.split("@")[-1]
+    return shown_url(url)
 
 
 def first_line(value: Any) -> str:

@@ -57,8 +57,30 @@ def _forget_parents_connections() -> None:
 os.register_at_fork(after_in_child=_forget_parents_connections)
 
 
+# Query parameters of a URL that hold a credential (libpq's password and
+# sslpassword; redis-py passes a password given there on).
+_SECRET_PARAMETERS = ("password", "secret", "token")
+
+
+def shown_url(url: str | sa.URL) -> str:
+    """A database or Redis URL as it may be shown: without the password of its user,
+    nor any query parameter that holds one."""
+    try:
+        parsed = sa.make_url(url)
+    except Exception:
+        return str(url).split("@")[-1].split("?")[0]
+    hidden = {
+        key: "***" if any(word in key.lower() for word in _SECRET_PARAMETERS) else value
+        for key, value in parsed.query.items()
+    }
+    return parsed.set(query=hidden).render_as_string(hide_password=True)
+
+
 def make_engine(url: str, **kwargs: Any) -> Engine:
-    """A SQLAlchemy engine with compact JSON and, for SQLite, safe concurrent writes."""
+    """A SQLAlchemy engine with compact JSON and, for SQLite, safe concurrent writes.
+    Statements' parameters stay out of its errors: they hold triggers' payloads and
+    transcripts, and errors reach logs, ``on_error`` and Celery's task events."""
+    kwargs.setdefault("hide_parameters", True)
     engine = _make_engine(url, **kwargs)
     _ENGINES.add(engine)
     return engine

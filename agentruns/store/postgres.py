@@ -165,7 +165,7 @@ class Statements:
             return row
         except psycopg.IntegrityError as exc:
             reusable = True  # the statement failed, the connection did not
-            raise sa.exc.IntegrityError(statement.text, params, exc) from exc
+            raise sa.exc.IntegrityError(statement.text, params, exc, hide_parameters=True) from exc
         except psycopg.OperationalError as exc:
             if session.driver.pgconn.status == pq.ConnStatus.BAD:
                 # The connection is gone, and what broke it (a restart, a failover) may
@@ -175,7 +175,9 @@ class Statements:
             else:
                 pooled.invalidate(exc)
             self.held.drop()  # what broke this one may have broken them too
-            raise sa.exc.OperationalError(statement.text, params, exc) from exc
+            raise sa.exc.OperationalError(
+                statement.text, params, exc, hide_parameters=True
+            ) from exc
         finally:
             self.held.give(pooled, session, since, reusable)
 

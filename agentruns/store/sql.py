@@ -41,7 +41,7 @@ from agentruns.store.base import (
     WaitRef,
     Writes,
 )
-from agentruns.store.connect import READ_ONLY, make_engine
+from agentruns.store.connect import READ_ONLY, make_engine, shown_url
 from agentruns.store.postgres import Statements
 from agentruns.store.rows import (
     aware,
@@ -133,7 +133,7 @@ class SqlStore:
         return migrate(self.url)
 
     def _safe_url(self) -> str:
-        return self.engine.url.render_as_string(hide_password=True)
+        return shown_url(self.engine.url)
 
     def close(self) -> None:
         self.writes.release()

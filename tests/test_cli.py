@@ -684,9 +684,9 @@ def test_watch_prints_a_start_before_the_steps_of_that_execution(cli: Cli) -> No
 def test_a_url_is_shown_without_its_passwords(url: str) -> None:
     # A password given as a query parameter (libpq and redis-py take one) was shown
     # in the CLI's errors and migrate's output, and in the store's schema errors.
-    from agentruns.cli.errors import safe_url
+    from agentruns.store.connect import shown_url
 
-    shown = safe_url(url)
+    shown = shown_url(url)
     assert "PWMARK" not in shown and "example" in shown
     assert "sslmode=require" in shown or "sslmode" not in url
 

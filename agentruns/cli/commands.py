@@ -9,9 +9,10 @@ from collections.abc import Callable
 from typing import Any
 
 from agentruns.cli import render
-from agentruns.cli.errors import BAD_INPUT, CliError, first_line, safe_url
+from agentruns.cli.errors import BAD_INPUT, CliError, first_line
 from agentruns.cli.session import Session
 from agentruns.runs import Run, RunStatus, utcnow
+from agentruns.store.connect import shown_url
 
 Handler = Callable[[Session, argparse.Namespace], int]
 
@@ -21,8 +22,8 @@ def cmd_migrate(session: Session, args: argparse.Namespace) -> int:
 
     url = session.settings.database_url
     revision = migrate(url)
-    session.json({"database": safe_url(url), "revision": revision})
-    session.say(f"migrated {safe_url(url)} to revision {revision}")
+    session.json({"database": shown_url(url), "revision": revision})
+    session.say(f"migrated {shown_url(url)} to revision {revision}")
     return 0
 
 

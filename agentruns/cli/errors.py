@@ -39,10 +39,6 @@ class CliError(Exception):
         self.code = code
 
 
-def safe_url(url: str) -> str:
-    return shown_url(url)
-
-
 def first_line(value: Any) -> str:
     said = exception_text(value, typed=False) if isinstance(value, BaseException) else str(value)
     lines = [line.strip() for line in said.splitlines() if line.strip()]
@@ -65,7 +61,7 @@ def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tu
         problem = exc.errors()[0]
         where = ".".join(str(p) for p in problem["loc"])
         return BAD_INPUT, f"invalid setting AGENTRUNS_{where.upper()}: {problem['msg']}"
-    database = safe_url(database_url)
+    database = shown_url(database_url)
     if isinstance(exc, NotMigratedError):
         cause = exc.__cause__
         if isinstance(cause, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
@@ -76,7 +72,7 @@ def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tu
     if isinstance(exc, sqlalchemy.exc.SQLAlchemyError):
         return FAILURE, f"database error on {database}: {first_line(getattr(exc, 'orig', exc))}"
     if isinstance(exc, redis.RedisError):
-        where = safe_url(redis_url) if redis_url else "Redis"
+        where = shown_url(redis_url) if redis_url else "Redis"
         return FAILURE, f"cannot reach Redis at {where}: {first_line(exc)} (AGENTRUNS_REDIS_URL)"
     if type(exc).__module__.startswith("kombu"):
         return FAILURE, f"cannot reach the Celery broker: {first_line(exc)} (AGENTRUNS_BROKER_URL)"

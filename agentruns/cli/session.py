@@ -14,13 +14,14 @@ from sqlalchemy.engine import make_url
 
 from agentruns.agent import Agent
 from agentruns.cli import render
-from agentruns.cli.errors import CliError, first_line, safe_url
+from agentruns.cli.errors import CliError, first_line
 from agentruns.engine import Engine
 from agentruns.errors import AgentrunsError
 from agentruns.events import Event
 from agentruns.leases import LocalLeases
 from agentruns.schedulers import LocalScheduler
 from agentruns.settings import Settings
+from agentruns.store.connect import shown_url
 from agentruns.wiring import engine_from_settings, load_agents
 
 
@@ -133,7 +134,7 @@ class Session:
             try:
                 client.ping()
             except redis.RedisError as exc:
-                raise CliError(f"cannot reach Redis at {safe_url(url)} ({name}): {exc}") from None
+                raise CliError(f"cannot reach Redis at {shown_url(url)} ({name}): {exc}") from None
             finally:
                 client.close()
 

@@ -511,8 +511,10 @@ class Engine:
     # -- called by executions ----------------------------------------------------------
 
     def published(self, committed: Committed) -> None:
-        """Deliver the events of a committed write."""
-        self.events.steps_appended(committed.steps)
+        """Deliver the events of a committed write (its steps are built only for a
+        listener)."""
+        if self.events.wants("step.appended"):
+            self.events.steps_appended(committed.steps)
         self.events.run_updated(committed.run)
 
     def report(self, exc: Exception) -> None:

@@ -100,12 +100,19 @@ class Events:
         finally:
             self._let_go(queue)
 
+    def wants(self, event_type: EventType) -> bool:
+        """Has the event type a listener now? An event nobody listens to is not made:
+        one comes with every write, in the step's own time."""
+        return bool(self._listeners[event_type])
+
     def run_updated(self, run: Run) -> None:
-        self._emit(run.id, Event("run.updated", run=run))
+        if self.wants("run.updated"):
+            self._emit(run.id, Event("run.updated", run=run))
 
     def steps_appended(self, steps: list[Step]) -> None:
-        for step in steps:
-            self._emit(step.run_id, Event("step.appended", step=step))
+        if self.wants("step.appended"):
+            for step in steps:
+                self._emit(step.run_id, Event("step.appended", step=step))
 
     def _emit(self, run_id: str, event: Event) -> None:
         queue = self._use(run_id)

@@ -739,12 +739,14 @@ def _malformed(response: ModelResponse) -> str | None:
         if isinstance(said, str) and not is_storable_key(said):
             return f"its {what} holds a NUL character or is not UTF-8: {said[:200]!r}"
     seen: set[str] = set()
+    # As a trigger's payload is: no NaN (Postgres refuses it, SQLite took it), nothing
+    # nested deeper than a read of its step or wait point can return. The reply is
+    # checked whole (every step has one); only one that fails is searched for where.
+    storable = json_problem(response.content) is None
     for block in response.content:
         if not isinstance(block, dict) or not isinstance(block.get("type"), str):
             return f"not a content block: {block!r}"
-        for key, value in block.items():
-            # As a trigger's payload is: no NaN (Postgres refuses it, SQLite took it),
-            # nothing nested deeper than a read of its step or wait point can return.
+        for key, value in () if storable else block.items():
             problem = json_problem(value)
             if problem is not None:
                 return f"it cannot be stored (the {key} of a {block['type']} block: {problem})"

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
@@ -111,10 +112,18 @@ class Commit:
     durable: bool = True
 
 
-@dataclass(frozen=True)
 class Committed:
-    run: Run
-    steps: list[Step]
+    """A write as committed: the run after it, and the steps it appended. The steps
+    are built when first read: a write is made on every step, and most processes
+    have no ``step.appended`` listener to give them to."""
+
+    def __init__(self, run: Run, steps: Callable[[], list[Step]]) -> None:
+        self.run = run
+        self._steps = steps
+
+    @functools.cached_property
+    def steps(self) -> list[Step]:
+        return self._steps()
 
 
 @dataclass(frozen=True)

@@ -134,9 +134,14 @@ def run_from_row(row: RowMapping | dict[str, Any]) -> Run:
 
 def run_updated(base: Run, row: dict[str, Any]) -> Run:
     """``base`` with the columns a write returned (no re-validation of the rest)."""
-    claim = None
-    if row["claim_owner"] is not None and row["claim_expires_at"] is not None:
-        claim = Claim(owner=row["claim_owner"], expires_at=aware(row["claim_expires_at"]))
+    # What a step's write leaves as it was (the claim, the status) is kept, not built
+    # again: this runs after every write.
+    claim, owner, expires_at = base.claim, row["claim_owner"], row["claim_expires_at"]
+    if owner is None or expires_at is None:
+        claim = None
+    elif claim is None or claim.owner != owner or claim.expires_at != expires_at:
+        claim = Claim(owner=owner, expires_at=aware(expires_at))
+    status = base.status if base.status.value == row["status"] else RunStatus(row["status"])
     usage = base.usage
     if (row["input_tokens"], row["output_tokens"]) != (usage.input_tokens, usage.output_tokens):
         usage = Usage(
@@ -148,7 +153,7 @@ def run_updated(base: Run, row: dict[str, Any]) -> Run:
     problems: list[str] = []  # only a damaged row's own columns can be: they read as empty
     return base.model_copy(
         update={
-            "status": RunStatus(row["status"]),
+            "status": status,
             "output": row["output"],
             "error": _json(row, "error", RunError, problems, _UNREADABLE_ERROR),
             "usage": usage,

@@ -367,7 +367,7 @@ class SqlStore:
             if guard.status == RunStatus.RUNNING:
                 raise LeaseLostError(run.id)
             return None
-        return Committed(run=run_updated(run, row), steps=new_steps(row, run.id, commit))
+        return Committed(run_updated(run, row), lambda: new_steps(row, run.id, commit))
 
     def request_cancel(self, run_id: str) -> Run:
         """Cancel a queued, waiting or interrupted run at once; flag a running one.

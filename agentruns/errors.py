@@ -27,14 +27,32 @@ def stops_the_task(exc: BaseException) -> bool:
     raised wherever the task is, just before the pool kills the process), or
     ``KeyboardInterrupt`` or ``SystemExit`` in the main thread (a signal: the process
     is stopping). In a pool's thread, no signal raises those two: the code did
-    (argparse's exit on bad arguments). Never a tool's or a model's error: raised on,
+    (argparse's exit on bad arguments); nor in a task of a Celery worker, but for
+    its hard shutdown's. Never a tool's or a model's error: raised on,
     the run is left for ``recover``, as after a crash."""
     # (Looked up, not imported: only a Celery worker, which has it, raises it.)
     time_limit = getattr(sys.modules.get("billiard.exceptions"), "SoftTimeLimitExceeded", None)
     if time_limit is not None and isinstance(exc, time_limit):
         return True
     stopping = isinstance(exc, KeyboardInterrupt | SystemExit)
-    return stopping and threading.current_thread() is threading.main_thread()
+    if not stopping or threading.current_thread() is not threading.main_thread():
+        return False
+    if _in_a_celery_workers_task():
+        # A Celery worker's signal handlers only set flags (its warm and cold
+        # shutdowns): the one that raises in the main thread, inside a solo pool's
+        # task, is its hard shutdown, WorkerTerminate (WorkerShutdown is its kin).
+        # Anything else was raised by the code, as in a pool's thread.
+        exceptions = sys.modules.get("celery.exceptions")
+        names = ("WorkerTerminate", "WorkerShutdown")
+        return any(isinstance(exc, getattr(exceptions, name, ())) for name in names)
+    return True
+
+
+def _in_a_celery_workers_task() -> bool:
+    """Is this thread running a task a Celery worker received (not an eager one)?"""
+    state = sys.modules.get("celery._state")
+    task = state.get_current_worker_task() if state is not None else None
+    return task is not None and not task.request.is_eager
 
 
 class AgentrunsError(Exception):

@@ -165,7 +165,7 @@ def leases() -> Iterator[RedisLeases]:
 def engine(make_engine: EngineFactory, celery_app: Any) -> Engine:
     """An engine in the test process whose executions go to the workers."""
     return make_engine(
-        [celery_agents.quick, celery_agents.charger],
+        [celery_agents.quick, celery_agents.charger, celery_agents.reporter],
         scheduler=CeleryScheduler(celery_app),
         leases=RedisLeases(REDIS_URL),
         lease_ttl=LEASE_TTL,
@@ -312,6 +312,57 @@ def test_a_cold_shutdown_drains_a_pool_that_cannot_cancel_tasks(
     done = wait_for(lambda: completed(engine, run.id), "another worker to finish the run")
     assert len(cluster.tool_calls("charge", run.id)) == 1
     assert_replayed_once(engine, done, CHARGE_SCRIPT)
+
+
+@pytest.mark.parametrize("pool", ["solo", "threads"])
+def test_a_tool_that_exits_is_the_tools_error_in_any_pool(
+    cluster: Cluster, engine: Engine, pool: str
+) -> None:
+    # argparse exits on bad arguments (SystemExit). In a solo pool the task runs in
+    # the worker's main thread, where that was taken for a signal stopping the
+    # process: the execution ended unsettled and the run stayed running until its
+    # lease expired, to fail the same way after every recover(). In Celery's main
+    # thread no signal raises it: the worker's handlers set flags, and only its
+    # hard shutdown raises (WorkerTerminate, which still stops the run).
+    cluster.workers("w1", pool=pool, concurrency=1)
+    run = engine.dispatch("reporter", trigger({}))
+    done = wait_for(lambda: completed(engine, run.id), "the run to complete", 20)
+    assert done.output == "Reported."
+    (step,) = [s for s in engine.steps(run.id) if s.kind == "tool"]
+    assert step.output == {"is_error": True, "content": "SystemExit: 2"} or step.error, step
+
+
+def test_in_a_workers_task_only_celerys_hard_shutdown_stops_the_main_thread(
+    celery_app: Any,
+) -> None:
+    """Which exits in the main thread stop the task (the run left for recover())."""
+    from celery._state import pop_current_task, push_current_task
+    from celery.exceptions import WorkerShutdown, WorkerTerminate
+
+    from agentruns.errors import stops_the_task
+
+    @celery_app.task(name="agentruns.test_stop", shared=False)
+    def received() -> None: ...
+
+    exits = [SystemExit(2), KeyboardInterrupt(), WorkerTerminate(1), WorkerShutdown(0)]
+    # Outside a worker's task (an embedded engine, an eager task), each may be a
+    # signal's, which the app's own handler raised.
+    assert [stops_the_task(e) for e in exits] == [True, True, True, True]
+    received.push_request(id="a-received-task", is_eager=True, called_directly=False)
+    push_current_task(received)
+    try:
+        assert [stops_the_task(e) for e in exits] == [True, True, True, True]
+        received.request.is_eager = False
+        assert [stops_the_task(e) for e in exits] == [False, False, True, True]
+    finally:
+        pop_current_task()
+        received.pop_request()
+    # In another thread, only the code raises them.
+    seen: list[bool] = []
+    worker = threading.Thread(target=lambda: seen.extend(stops_the_task(e) for e in exits))
+    worker.start()
+    worker.join()
+    assert seen == [False, False, False, False]
 
 
 def test_a_remote_shutdown_drains_the_worker_as_sigterm_does(

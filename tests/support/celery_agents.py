@@ -8,6 +8,7 @@ for a test to kill or stop the worker that holds it.
 
 from __future__ import annotations
 
+import argparse
 import os
 from typing import Any
 
@@ -63,4 +64,20 @@ charger = Agent(
     instructions="Charge once.",
     tools=[note, charge],
     budget=Budget(max_steps=10),
+)
+
+
+@tool
+def report(argv: str) -> str:
+    """Run the report command line: bad arguments make argparse exit."""
+    parser = argparse.ArgumentParser(prog="report")
+    parser.add_argument("--days", type=int, required=True)
+    return str(parser.parse_args(argv.split()).days)
+
+
+# A tool whose code exits (argparse's error on bad arguments, or a sys.exit).
+reporter = Agent(
+    "reporter",
+    ScriptedModel([tool_use("report", {"argv": "--days many"}), text("Reported.")]),
+    tools=[report],
 )

@@ -39,13 +39,25 @@ def stops_the_task(exc: BaseException) -> bool:
         return False
     if _in_a_celery_workers_task():
         # A Celery worker's signal handlers only set flags (its warm and cold
-        # shutdowns): the one that raises in the main thread, inside a solo pool's
-        # task, is its hard shutdown, WorkerTerminate (WorkerShutdown is its kin).
+        # shutdowns): what raises in the main thread is its hard shutdown,
+        # WorkerTerminate (WorkerShutdown is its kin), inside a solo pool's task, and
+        # the SIGTERM a prefork pool's process gets (billiard's handler exits).
         # Anything else was raised by the code, as in a pool's thread.
         exceptions = sys.modules.get("celery.exceptions")
         names = ("WorkerTerminate", "WorkerShutdown")
-        return any(isinstance(exc, getattr(exceptions, name, ())) for name in names)
+        return _terminating() or any(
+            isinstance(exc, getattr(exceptions, name, ())) for name in names
+        )
     return True
+
+
+def _terminating() -> bool:
+    """Has billiard's handler of a terminating signal run in this process?"""
+    common = sys.modules.get("billiard.common")
+    fired = getattr(common, "terminate_handler_fired", None)
+    if fired is not None:
+        return bool(fired())
+    return bool(getattr(common, "_should_have_exited", [False])[0])  # an older billiard
 
 
 def _in_a_celery_workers_task() -> bool:

@@ -165,7 +165,7 @@ def leases() -> Iterator[RedisLeases]:
 def engine(make_engine: EngineFactory, celery_app: Any) -> Engine:
     """An engine in the test process whose executions go to the workers."""
     return make_engine(
-        [celery_agents.quick, celery_agents.charger, celery_agents.reporter],
+        [celery_agents.quick, celery_agents.charger, celery_agents.reporter, celery_agents.waiter],
         scheduler=CeleryScheduler(celery_app),
         leases=RedisLeases(REDIS_URL),
         lease_ttl=LEASE_TTL,
@@ -330,6 +330,39 @@ def test_a_tool_that_exits_is_the_tools_error_in_any_pool(
     assert done.output == "Reported."
     (step,) = [s for s in engine.steps(run.id) if s.kind == "tool"]
     assert step.output == {"is_error": True, "content": "SystemExit: 2"} or step.error, step
+
+
+def test_a_prefork_process_terminated_in_a_tool_leaves_its_run_to_recover(
+    cluster: Cluster, engine: Engine
+) -> None:
+    """billiard's SIGTERM handler exits the process (a cold shutdown terminates the
+    pool's processes so): the SystemExit it raises inside a tool stops the run, as
+    a crash would, and is not the tool's error for the model to go on from."""
+    cluster.workers("w1", pool="prefork", concurrency=1)
+    run = engine.dispatch("waiter", trigger({}))
+    (pid,) = wait_for(lambda: cluster.tool_calls("wait_a_while", run.id), "the tool to start")
+    os.kill(pid, signal.SIGTERM)
+    wait_for(lambda: not _alive(pid) or None, "the process to exit", 10)
+    time.sleep(0.5)
+    left = engine.get_run(run.id)
+    assert left.status is RunStatus.RUNNING, left  # its lease runs out, then recover()
+    assert [s for s in engine.steps(run.id) if s.kind == "tool"] == []
+
+    def resumed() -> Run | None:
+        engine.recover()
+        return completed(engine, run.id)
+
+    done = wait_for(resumed, "recover to finish the run", 30)
+    (step,) = [s for s in engine.steps(done.id) if s.kind == "tool"]
+    assert step.error is None and step.output == "waited", step
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def test_in_a_workers_task_only_celerys_hard_shutdown_stops_the_main_thread(

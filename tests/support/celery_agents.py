@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from typing import Any
 
 from agentruns import Agent, Budget, ToolContext, tool
@@ -80,4 +81,19 @@ reporter = Agent(
     "reporter",
     ScriptedModel([tool_use("report", {"argv": "--days many"}), text("Reported.")]),
     tools=[report],
+)
+
+
+@tool
+def wait_a_while(seconds: float, ctx: ToolContext) -> str:
+    """Take a while (a test signals the worker meanwhile)."""
+    log(f"wait_a_while {ctx.run.id}")
+    time.sleep(seconds)
+    return "waited"
+
+
+waiter = Agent(
+    "waiter",
+    ScriptedModel([tool_use("wait_a_while", {"seconds": 3}), text("Waited.")]),
+    tools=[wait_a_while],
 )

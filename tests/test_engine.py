@@ -1277,6 +1277,39 @@ def test_a_cancel_flagged_as_the_run_pauses_for_approval_cancels_it(
     assert notified == []
 
 
+@pytest.mark.parametrize("store", ["postgres", "sqlite"])
+def test_a_cancel_flagged_as_the_final_answer_comes_cancels_the_run(
+    make_engine: EngineFactory, make_sqlite_engine: EngineFactory, store: str
+) -> None:
+    """The model's final answer came before its owner heard of the cancel, which
+    cancel() had already flagged and returned: the run completed. A cancel asked
+    for while a run runs now wins; the answer stays in the transcript."""
+    factory = make_engine if store == "postgres" else make_sqlite_engine
+    # In-process leases: this engine's cancel reaches the owner only as the flag.
+    other = factory([], leases=LocalLeases(), scheduler=ManualScheduler())
+
+    class AnswersAsItIsCancelled:
+        name = "answers"
+
+        def complete(self, request: Any, signal: threading.Event) -> ModelResponse:
+            flagged = other.cancel(request_run[0])
+            assert flagged.status is RunStatus.RUNNING and flagged.cancel_requested
+            return ModelResponse(
+                content=[{"type": "text", "text": "Done anyway."}], stop_reason="end_turn"
+            )
+
+    request_run: list[str] = []
+    engine = factory([Agent("a", AnswersAsItIsCancelled())], scheduler=ManualScheduler())
+    run = engine.dispatch("a", trigger({}))
+    request_run.append(run.id)
+    done = engine.execute(run.id)
+    assert done.status is RunStatus.CANCELLED, done
+    assert done.output is None and done.claim is None and done.finished_at is not None
+    assert engine.get_run(run.id).status is RunStatus.CANCELLED
+    assert engine.checkpoint(run.id).messages[-1]["content"][0]["text"] == "Done anyway."
+    assert engine.cancel(run.id).status is RunStatus.CANCELLED  # final: unchanged
+
+
 def test_two_drains_at_once_both_return_once_the_runs_settle(
     make_engine: EngineFactory,
 ) -> None:

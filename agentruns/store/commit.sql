@@ -19,11 +19,15 @@ WITH run AS (
         checkpoint_at = CASE WHEN %(checkpoint)s THEN %(now)s ELSE checkpoint_at END,
         state = CASE WHEN %(set_state)s THEN %(state)s::json ELSE state END,
         pending = CASE WHEN %(set_pending)s THEN %(pending)s::json ELSE pending END,
-        status = COALESCE(%(status)s, status),
+        -- A cancel asked for while the run ran wins over its final answer, which
+        -- came before the owner heard of it (kept in the transcript, not as output).
+        status = CASE WHEN cancel_requested AND %(status)s::text = 'completed' THEN 'cancelled'
+                      ELSE COALESCE(%(status)s, status) END,
         -- Postgres' clock, as created_at's: a thread continues the run that finished
         -- last, and a worker whose clock is behind must not make its run look older.
         finished_at = CASE WHEN %(final)s THEN statement_timestamp() ELSE finished_at END,
-        output = COALESCE(%(output)s, output),
+        output = CASE WHEN cancel_requested AND %(status)s::text = 'completed' THEN output
+                      ELSE COALESCE(%(output)s, output) END,
         error = CASE WHEN %(set_error)s THEN %(error)s::json ELSE error END,
         waiting = CASE WHEN %(set_waiting)s THEN %(waiting)s::json ELSE waiting END,
         waiting_token = CASE WHEN %(set_waiting)s THEN %(waiting_token)s ELSE waiting_token END,

@@ -226,6 +226,11 @@ def _changes(commit: Commit, now: datetime) -> dict[str, Any]:
             values["finished_at"] = now
     if commit.output is not None:
         values["output"] = commit.output
+    if commit.status is RunStatus.COMPLETED:
+        # A cancel asked for while the run ran wins over its final answer (commit.sql).
+        cancelled = R.c.cancel_requested.is_(True)
+        values["status"] = sa.case((cancelled, RunStatus.CANCELLED.value), else_=values["status"])
+        values["output"] = sa.case((cancelled, R.c.output), else_=values.get("output"))
     if commit.error is not None:
         values["error"] = commit.error.model_dump(mode="json")
     if commit.waiting is not _UNSET:

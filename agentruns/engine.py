@@ -35,6 +35,7 @@ from agentruns.execution import Abort, Execution
 from agentruns.keeper import LeaseKeeper
 from agentruns.leases.base import Leases
 from agentruns.leases.local import LocalLeases
+from agentruns.leases.redis import RedisLeases
 from agentruns.runs import (
     Budget,
     Checkpoint,
@@ -106,6 +107,13 @@ class Engine:
         if secret == "":
             # An empty HMAC key signs tokens anyone who reads a waiting run can forge.
             raise ValueError("secret must not be empty (None: a random one for this process)")
+        if secret is None and isinstance(self.leases, RedisLeases):
+            # Runs move between the processes that share the leases: a token one of
+            # them mints must pass in another (SPEC: required outside the demo).
+            raise ValueError(
+                "secret is required with RedisLeases: every process that shares the leases"
+                " signs and checks resume tokens with the same one"
+            )
         if secret is None:
             warnings.warn(
                 "Engine has no secret: resume tokens will only be valid in this process",

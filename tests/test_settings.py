@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from agentruns import Engine, LocalLeases, SqlStore
+from agentruns import Engine, LocalLeases, RedisLeases, SqlStore
 from agentruns.broadcast import EventPublisher
 from agentruns.celery import defaults
 from agentruns.errors import AgentrunsError
@@ -55,6 +55,14 @@ def test_an_engine_built_for_several_processes_needs_their_shared_secret(sqlite_
     with pytest.raises(AgentrunsError, match="AGENTRUNS_SECRET is not set"):
         engine_from_settings(settings)
     engine_from_settings(settings.model_copy(update={"secret": "shared"})).close()
+    # Built directly, an engine with RedisLeases started with a secret of its own:
+    # a token it minted failed in the worker or web process that answered it.
+    leases = RedisLeases(REDIS_URL, prefix=f"secret-{os.getpid()}")
+    with pytest.raises(ValueError, match="secret is required with RedisLeases"):
+        Engine(SqlStore(sqlite_url), leases=leases)
+    Engine(SqlStore(sqlite_url), leases=leases, secret="shared").close()
+    with pytest.warns(UserWarning, match="only be valid in this process"):
+        Engine(SqlStore(sqlite_url), leases=LocalLeases()).close()  # one process: it may
 
 
 def test_an_empty_secret_is_unset_in_settings_and_refused_by_an_engine(

@@ -197,6 +197,8 @@ class Engine:
             run, created = self.store.create_run(new)
             if created:
                 self.events.run_updated(run)
+        if not created:
+            _warn_if_another(run, new)
         return run
 
     def dispatch_here(
@@ -741,6 +743,21 @@ def _envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelope:
 
 # The most runs one read returns (SQLite and Postgres both take it as a LIMIT).
 MAX_LIMIT = 1_000_000_000
+
+
+def _warn_if_another(run: Run, new: NewRun) -> None:
+    """A dispatch whose idempotency key names a run of another agent, or of another
+    payload, returns that run (SPEC): said, since one trigger sent to two agents
+    under its own id as the key starts only the first."""
+    if run.agent != new.agent or run.trigger.payload != new.trigger.payload:
+        what = f"agent {run.agent!r}" if run.agent != new.agent else "another payload"
+        log.warning(
+            "idempotency key %r already names run %s, of %s: this dispatch returns it and"
+            " stores nothing (give each agent's dispatch of a trigger its own key)",
+            new.idempotency_key,
+            run.id,
+            what,
+        )
 
 
 def _run_id(run_id: str) -> str:

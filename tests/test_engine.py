@@ -135,6 +135,27 @@ def test_concurrent_dispatch_of_one_idempotency_key_makes_one_run(
     assert len(engine.list_runs()) == 1
 
 
+def test_a_key_that_names_another_agents_run_returns_it_and_says_so(
+    make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # One webhook event sent to two agents under its id (the default key) started
+    # only the first agent's run, and nothing said so.
+    engine = make_engine(
+        [Agent("triage", ScriptedModel([text("ok")])), Agent("notify", ScriptedModel([text("ok")]))],
+        scheduler=ManualScheduler(),
+    )
+    first = engine.dispatch("triage", trigger({"n": 1}, id="evt-9"))
+    with caplog.at_level("WARNING", logger="agentruns"):
+        assert engine.dispatch("triage", trigger({"n": 1}, id="evt-9")).id == first.id
+        assert caplog.records == []  # the same dispatch again: nothing to say
+        assert engine.dispatch("notify", trigger({"n": 1}, id="evt-9")).id == first.id
+        assert engine.dispatch("triage", trigger({"n": 2}, id="evt-9")).id == first.id
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2 and all("'evt-9' already names run " + first.id in m for m in said)
+    assert "of agent 'triage'" in said[0] and "of another payload" in said[1]
+    assert len(engine.list_runs()) == 1
+
+
 def test_dispatch_refuses_unknown_agent_and_non_json_payload_storing_nothing(
     make_engine: EngineFactory,
 ) -> None:

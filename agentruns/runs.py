@@ -142,9 +142,12 @@ class TriggerEnvelope(_Model):
     )
 
     def first_message(self) -> dict[str, Any]:
-        """The user message a new run starts from: source, trigger and payload only."""
+        """The user message a new run starts from: source, trigger and payload only,
+        as the seed renders it (in that order, the payload's keys as they came, text
+        as it is: a model reads it; escaped, each character outside ASCII costs it
+        more tokens)."""
         body = {"source": self.source, "trigger": self.trigger, "payload": self.payload}
-        return {"role": "user", "content": json.dumps(body, indent=2, sort_keys=True)}
+        return {"role": "user", "content": json.dumps(body, indent=2, ensure_ascii=False)}
 
 
 class WaitPoint(_Model):

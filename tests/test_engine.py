@@ -113,6 +113,31 @@ def test_happy_run_appends_dense_steps_and_sums_usage(make_engine: EngineFactory
     assert [m["role"] for m in checkpoint.messages] == ["user", "assistant", "user", "assistant"]
 
 
+def test_the_first_message_renders_the_trigger_as_the_seed_does(
+    make_engine: EngineFactory,
+) -> None:
+    # Its keys were sorted, the payload's too (payload came first), and text outside
+    # ASCII escaped.
+    model = ScriptedModel([text("ok")])
+    engine = make_engine([Agent("a", model)])
+    payload = {"title": "Ça plante", "labels": ["bug"], "body": "a\x00b"}
+    engine.dispatch("a", trigger(payload, id="evt-1", keys={"repo": "acme/app"}))
+    assert engine.idle(10)
+    assert model.calls[0][0]["content"] == (
+        "{\n"
+        '  "source": "manual",\n'
+        '  "trigger": "manual",\n'
+        '  "payload": {\n'
+        '    "title": "Ça plante",\n'
+        '    "labels": [\n'
+        '      "bug"\n'
+        "    ],\n"
+        '    "body": "a\\u0000b"\n'
+        "  }\n"
+        "}"
+    )
+
+
 def test_concurrent_dispatch_of_one_idempotency_key_makes_one_run(
     make_engine: EngineFactory,
 ) -> None:
@@ -141,7 +166,7 @@ def test_a_key_that_names_another_agents_run_returns_it_and_says_so(
     # One webhook event sent to two agents under its id (the default key) started
     # only the first agent's run, and nothing said so.
     engine = make_engine(
-        [Agent("triage", ScriptedModel([text("ok")])), Agent("notify", ScriptedModel([text("ok")]))],
+        [Agent(name, ScriptedModel([text("ok")])) for name in ("triage", "notify")],
         scheduler=ManualScheduler(),
     )
     first = engine.dispatch("triage", trigger({"n": 1}, id="evt-9"))

@@ -1849,6 +1849,23 @@ def test_effect_tool_gets_a_stable_idempotency_key(make_engine: EngineFactory) -
     assert keys == [f"{run.id}:{model.calls[1][1]['content'][0]['id']}"]
 
 
+def test_after_postgres_dropped_its_connections_the_next_dispatch_and_claim_go_through(
+    make_engine: EngineFactory, db_url: str, errors: Errors
+) -> None:
+    # A restart (or an idle timeout) left every pooled connection dead: the first
+    # statement to use one failed. A dispatch raised; an execution's claim failed,
+    # and its run waited for recover() (in a worker, a minute or more).
+    engine = make_engine([Agent("a", ScriptedModel([text("ok")]))], scheduler=ManualScheduler())
+    warm = engine.dispatch("a", trigger({"n": 0}))
+    assert engine.execute(warm.id).status is RunStatus.COMPLETED
+    drop_connections(db_url)
+    run = engine.dispatch("a", trigger({"n": 1}))
+    assert run.status is RunStatus.QUEUED
+    drop_connections(db_url)
+    assert engine.execute(run.id).status is RunStatus.COMPLETED
+    assert errors == []
+
+
 def test_a_database_outage_while_recording_an_effect_aborts_the_execution_not_the_tool(
     make_engine: EngineFactory, db_url: str
 ) -> None:

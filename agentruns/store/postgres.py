@@ -131,7 +131,9 @@ class Statements:
         params = new.columns(now, claim)
         params["trigger"] = dumps(params["trigger"])
         params["budget"] = dumps(params["budget"]) if params["budget"] is not None else None
-        return self.row(CREATE, params)
+        # Sent again if the connection was gone: a first try that did commit makes
+        # the second find the idempotency key taken, which is what it would have said.
+        return self._once_more_if_gone(CREATE, params)
 
     def claim(
         self, run_id: str, owner: str, expires_at: datetime, now: datetime
@@ -139,9 +141,26 @@ class Statements:
         """The claimed run's row with its stored ``messages``; None if it cannot be claimed."""
         params = {"run_id": run_id, "owner": owner, "expires_at": expires_at, "now": now}
         try:
-            return self.row(CLAIM, params)
+            # Sent again if the connection was gone: a first try that did commit
+            # makes the second find the run not queued, and its claim expires for
+            # recover(), as if the first had failed.
+            return self._once_more_if_gone(CLAIM, params)
         except sa.exc.IntegrityError:
             return None  # another run of the same concurrency key is running
+
+    def _once_more_if_gone(
+        self, statement: Prepared, params: dict[str, Any]
+    ) -> dict[str, Any] | None:
+        """``row``, tried again on a new connection if its connection was gone: after
+        Postgres restarted, or dropped it while it sat in the pool, the first
+        statement to use it failed (the run waited for recover(), a dispatch
+        failed). Only for statements whose second try can do no harm."""
+        try:
+            return self.row(statement, params)
+        except sa.exc.OperationalError as exc:
+            if not exc.connection_invalidated:
+                raise
+            return self.row(statement, params)
 
     def commit(
         self, run_id: str, guard: Guard, commit: Commit, now: datetime
@@ -167,7 +186,8 @@ class Statements:
             reusable = True  # the statement failed, the connection did not
             raise sa.exc.IntegrityError(statement.text, params, exc, hide_parameters=True) from exc
         except psycopg.OperationalError as exc:
-            if session.driver.pgconn.status == pq.ConnStatus.BAD:
+            gone = session.driver.pgconn.status == pq.ConnStatus.BAD
+            if gone:
                 # The connection is gone, and what broke it (a restart, a failover) may
                 # have broken every other: they reconnect on their next checkout, as
                 # SQLAlchemy's own execution does on a disconnect.
@@ -176,7 +196,7 @@ class Statements:
                 pooled.invalidate(exc)
             self.held.drop()  # what broke this one may have broken them too
             raise sa.exc.OperationalError(
-                statement.text, params, exc, hide_parameters=True
+                statement.text, params, exc, hide_parameters=True, connection_invalidated=gone
             ) from exc
         finally:
             self.held.give(pooled, session, since, reusable)

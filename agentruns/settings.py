@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from functools import cache
+from urllib.parse import urlsplit
 
+import sqlalchemy as sa
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -13,7 +15,10 @@ MAX_SECONDS = 365 * 24 * 3600
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="AGENTRUNS_", extra="ignore")
+    # A URL's password is not repeated in a refusal's text (a worker logs it).
+    model_config = SettingsConfigDict(
+        env_prefix="AGENTRUNS_", extra="ignore", hide_input_in_errors=True
+    )
 
     database_url: str = "sqlite:///agentruns.db"
     # Postgres connections one process keeps at most (opened as needed, then kept).
@@ -36,6 +41,28 @@ class Settings(BaseSettings):
         # `AGENTRUNS_SECRET=` in an env file means "not set", not "sign with no key".
         return value or None
 
+    @field_validator("database_url")
+    @classmethod
+    def _a_database_url(cls, value: str) -> str:
+        # Refused here, its setting named, rather than as an unexpected ValueError
+        # wherever the URL is first used.
+        try:
+            sa.make_url(value).port  # noqa: B018  (the port is parsed when read)
+        except (ValueError, sa.exc.ArgumentError) as exc:
+            raise ValueError(f"not a database URL ({exc})") from None
+        return value
+
+    @field_validator("redis_url")
+    @classmethod
+    def _a_redis_url(cls, value: str | None) -> str | None:
+        return _redis_url(value) if value else value
+
+    @field_validator("broker_url")
+    @classmethod
+    def _a_broker_url(cls, value: str | None) -> str | None:
+        # Another broker's URL (amqp://) is kombu's to judge.
+        return _redis_url(value) if value and value.startswith(_REDIS_SCHEMES) else value
+
     @property
     def agent_modules(self) -> list[str]:
         return [m.strip() for m in self.agents.split(",") if m.strip()]
@@ -43,6 +70,23 @@ class Settings(BaseSettings):
     @property
     def effective_broker_url(self) -> str | None:
         return self.broker_url or self.redis_url
+
+
+_REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def _redis_url(value: str) -> str:
+    from redis.connection import parse_url
+
+    try:
+        parse_url(value)  # type: ignore[no-untyped-call]  # scheme, port, options
+    except ValueError as exc:
+        raise ValueError(f"not a Redis URL ({exc})") from None
+    number = urlsplit(value).path.strip("/")
+    if not value.startswith("unix://") and number and not number.isdigit():
+        # redis-py took it as database 0; Celery's transport refused it.
+        raise ValueError(f"a Redis URL's path is its database number, not {number!r}")
+    return value
 
 
 @cache

@@ -26,6 +26,7 @@ from agentruns import Agent, Engine, LocalLeases, LocalScheduler, RunStatus, Sql
 from agentruns.cli import main
 from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.settings import Settings
 from tests.conftest import wait_for
 from workers import triage
 
@@ -526,6 +527,31 @@ def test_a_database_that_cannot_be_reached_is_one_line(
         line = cli.fails(1, *argv)
         assert "cannot open the database postgresql+psycopg://postgres@127.0.0.1:1/x" in line
         assert "Connection refused" in line
+
+
+def test_a_url_that_is_not_one_names_its_setting_and_hides_its_password(
+    env: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each was "unexpected ValueError: ..." naming no setting; a Redis URL whose path
+    # is not a number was taken as database 0 here and refused by Celery's transport
+    # (a dispatch stored its run, said "queued for a worker" and exited 0).
+    cli = Cli(capsys, env)
+    cases = [
+        ("DATABASE_URL", "postgresql+psycopg://u:hunter2@127.0.0.1:notaport/x", "not a database"),
+        ("REDIS_URL", "redis://:hunter2@127.0.0.1:abc/10", "not a Redis URL"),
+        ("REDIS_URL", "http://127.0.0.1:6379/10", "not a Redis URL"),
+        ("REDIS_URL", "redis://127.0.0.1:6379/abc", "is its database number, not 'abc'"),
+        ("BROKER_URL", "redis://:hunter2@127.0.0.1:6379/x1", "is its database number"),
+    ]
+    for name, url, said in cases:
+        with monkeypatch.context() as scoped:
+            scoped.setenv(f"AGENTRUNS_{name}", url)
+            for argv in (["runs"], ["dispatch", "triage", "--payload", "{}"]):
+                line = cli.fails(2, *argv)
+                assert f"invalid setting AGENTRUNS_{name}: " in line and said in line, line
+                assert "hunter2" not in line and "Value error" not in line
+    monkeypatch.setenv("AGENTRUNS_BROKER_URL", "amqp://guest:guest@127.0.0.1:1//")
+    Settings()  # another broker's URL is Celery's to judge
 
 
 def test_a_database_that_opens_but_fails_is_not_sent_to_migrate(

@@ -23,7 +23,7 @@ from agentruns.schedulers import ManualScheduler
 from agentruns.settings import Settings
 from agentruns.store import sql
 from agentruns.wiring import engine_from_settings
-from tests.conftest import REDIS_URL, trigger
+from tests.conftest import REDIS_URL, drop_connections, trigger
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,6 +77,45 @@ def test_watch_wakes_on_published_events_instead_of_waiting_for_its_poll(
         assert events[-1]["run"]["status"] == "completed"
         assert any(e["event"] == "step.appended" for e in events)
         assert watcher.returncode == 0
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+        engine.close()
+
+
+def test_watch_outlives_the_database_dropping_its_connection(db_url: str) -> None:
+    # A watch is meant to run for long: one dropped connection (a restart, a killed
+    # backend) ended it with "database error ... terminating connection".
+    engine = Engine(
+        SqlStore(db_url),
+        leases=LocalLeases(),
+        scheduler=ManualScheduler(),
+        agents=[Agent("a", ScriptedModel([text("ok")]))],
+        secret="s",
+    )
+    run = engine.dispatch("a", trigger({}))
+    env = {**os.environ, "AGENTRUNS_DATABASE_URL": db_url, "PYTHONPATH": str(ROOT)}
+    env.pop("AGENTRUNS_REDIS_URL", None)
+    argv = ["--json", "watch", "--run", run.id, "--until-final", "--interval", "0.2"]
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "agentruns.cli", *argv],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert watcher.stdout is not None
+        first = json.loads(watcher.stdout.readline())
+        assert first["run"]["status"] == "queued"
+        drop_connections(db_url)
+        time.sleep(0.6)  # a look or two meets the dropped connection
+        assert engine.execute(run.id).status is RunStatus.COMPLETED
+        out, err = watcher.communicate(timeout=15)
+        assert watcher.returncode == 0, err
+        assert json.loads(out.splitlines()[-1])["run"]["status"] == "completed"
+        assert "cannot read the database" in err and "reading the database again" in err
+        assert "Traceback" not in err
     finally:
         if watcher.poll() is None:
             watcher.kill()

@@ -60,7 +60,8 @@ def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tu
     if isinstance(exc, ValidationError):
         problem = exc.errors()[0]
         where = ".".join(str(p) for p in problem["loc"])
-        return BAD_INPUT, f"invalid setting AGENTRUNS_{where.upper()}: {problem['msg']}"
+        said = problem["msg"].removeprefix("Value error, ")  # pydantic's, for a validator's
+        return BAD_INPUT, f"invalid setting AGENTRUNS_{where.upper()}: {said}"
     database = shown_url(database_url)
     if isinstance(exc, NotMigratedError):
         cause = exc.__cause__

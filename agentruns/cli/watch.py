@@ -8,13 +8,18 @@ The store stays the truth either way: events only say when to look.
 from __future__ import annotations
 
 import json
+import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import Any
 
+import redis
+import sqlalchemy.exc
+
 from agentruns.broadcast import subscribe
 from agentruns.cli import render
+from agentruns.cli.errors import first_line
 from agentruns.cli.session import Session
 from agentruns.engine import Engine
 from agentruns.errors import RunNotFoundError
@@ -181,6 +186,7 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
         every = f"every {interval:g}s"
         how = f"as events arrive and {every}" if session.settings.redis_url else every
         session.emit(f"watching {target} {how} until {stop}")
+    lost = _Lost(interval)
     try:
         for events in _wakeups(session, interval):
             if events is not None:
@@ -191,7 +197,8 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
                     continue
                 for event in mine:
                     follower.heard(event)
-            follower.poll(_runs(engine, run_id), baseline=False)
+            if not lost.look(lambda: follower.poll(_runs(engine, run_id), baseline=False)):
+                continue
             if until_final and follower.settled():
                 break
     except KeyboardInterrupt:
@@ -199,11 +206,49 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
     return 0
 
 
+class _Lost:
+    """A watch outlives the database going away for a while (a restart, a dropped
+    connection): a look that fails is said once, on stderr, and made again at the
+    next wake-up; where it worked, it was the first read that ended the watch."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.since: float | None = None
+
+    def look(self, poll: Callable[[], None]) -> bool:
+        try:
+            poll()
+        except _DATABASE_GONE as exc:  # not any OSError: stdout's BrokenPipeError ends it
+            if self.since is None:
+                self.since = time.monotonic()
+                _note(f"cannot read the database ({first_line(exc)}); trying again")
+            return False
+        if self.since is not None:
+            _note(f"reading the database again, after {time.monotonic() - self.since:.0f}s")
+            self.since = None
+        return True
+
+
+_DATABASE_GONE = (
+    sqlalchemy.exc.OperationalError,
+    sqlalchemy.exc.InterfaceError,
+    sqlalchemy.exc.TimeoutError,  # no pooled connection came free
+)
+
+
+def _note(text: str) -> None:
+    print(f"agentruns: {text}", file=sys.stderr, flush=True)
+
+
 def _wakeups(session: Session, interval: float) -> Iterator[list[dict[str, object]] | None]:
     """When to look again: on the events published over Redis, else every ``interval``."""
     redis_url = session.settings.redis_url
     if redis_url:
-        yield from subscribe(redis_url, timeout=interval)
+        try:
+            yield from subscribe(redis_url, timeout=interval)
+        except redis.RedisError as exc:
+            # The store stays the truth: without events, it is looked at on a clock.
+            _note(f"lost Redis's events ({first_line(exc)}); looking every {interval:g}s")
     while True:
         time.sleep(interval)
         yield None

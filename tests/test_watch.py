@@ -17,13 +17,13 @@ import redis
 from agentruns import Agent, Engine, LocalLeases, RedisLeases, Run, RunStatus, SqlStore, tool
 from agentruns.broadcast import channel, subscribe, summary
 from agentruns.cli.session import Session
-from agentruns.cli.watch import _Follower, _runs
+from agentruns.cli.watch import _Follower, _runs, _wakeups
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
 from agentruns.settings import Settings
 from agentruns.store import sql
 from agentruns.wiring import engine_from_settings
-from tests.conftest import REDIS_URL, drop_connections, trigger
+from tests.conftest import REDIS_URL, drop_connections, free_port, trigger
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -120,6 +120,18 @@ def test_watch_outlives_the_database_dropping_its_connection(db_url: str) -> Non
         if watcher.poll() is None:
             watcher.kill()
         engine.close()
+
+
+def test_watch_looks_on_a_clock_when_redis_goes_away(
+    sqlite_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The subscription's error ended the watch; the store stays the truth without it.
+    session = Session(as_json=True)
+    nowhere = f"redis://127.0.0.1:{free_port()}/0"
+    session._settings = Settings(database_url=sqlite_url, redis_url=nowhere, agents="")
+    wakeups = _wakeups(session, 0.01)
+    assert [next(wakeups), next(wakeups)] == [None, None]
+    assert "lost Redis's events" in capsys.readouterr().err
 
 
 def test_a_running_event_that_comes_after_a_later_look_is_not_shown(sqlite_url: str) -> None:

@@ -297,7 +297,7 @@ class Engine:
             ("thread", thread),
         ):
             if text == "":  # an unset variable, likely: it would make every run one
-                raise InvalidTriggerError(f"{what} must not be empty (None for none)")
+                raise InvalidTriggerError(f"{what} must not be empty (leave it out for none)")
         if concurrency_key is None and thread is not None:
             concurrency_key = f"{THREAD_KEY}{thread}"
         if idempotency_key is None:

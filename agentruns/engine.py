@@ -749,7 +749,8 @@ def _warn_if_another(run: Run, new: NewRun) -> None:
     """A dispatch whose idempotency key names a run of another agent, or of another
     payload, returns that run (SPEC): said, since one trigger sent to two agents
     under its own id as the key starts only the first."""
-    if run.agent != new.agent or run.trigger.payload != new.trigger.payload:
+    payload = new.trigger.model_dump(mode="json")["payload"]  # as stored: a tuple is a list
+    if run.agent != new.agent or run.trigger.payload != payload:
         what = f"agent {run.agent!r}" if run.agent != new.agent else "another payload"
         log.warning(
             "idempotency key %r already names run %s, of %s: this dispatch returns it and"

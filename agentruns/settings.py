@@ -49,7 +49,7 @@ class Settings(BaseSettings):
         try:
             sa.make_url(value).port  # noqa: B018  (the port is parsed when read)
         except (ValueError, sa.exc.ArgumentError) as exc:
-            raise ValueError(f"not a database URL ({exc})") from None
+            raise ValueError(f"not a database URL ({_why(value, exc)})") from None
         return value
 
     @field_validator("redis_url")
@@ -60,8 +60,12 @@ class Settings(BaseSettings):
     @field_validator("broker_url")
     @classmethod
     def _a_broker_url(cls, value: str | None) -> str | None:
-        # Another broker's URL (amqp://) is kombu's to judge.
-        return _redis_url(value) if value and value.startswith(_REDIS_SCHEMES) else value
+        # Another broker's URL (amqp://) is kombu's to judge; so is a list of them
+        # (``;`` between failover alternates), each Redis one checked on its own.
+        for alternate in (value or "").split(";"):
+            if alternate.strip().startswith(_REDIS_SCHEMES):
+                _redis_url(alternate.strip())
+        return value
 
     @property
     def agent_modules(self) -> list[str]:
@@ -81,12 +85,21 @@ def _redis_url(value: str) -> str:
     try:
         parse_url(value)  # type: ignore[no-untyped-call]  # scheme, port, options
     except ValueError as exc:
-        raise ValueError(f"not a Redis URL ({exc})") from None
+        raise ValueError(f"not a Redis URL ({_why(value, exc)})") from None
     number = urlsplit(value).path.strip("/")
     if not value.startswith("unix://") and number and not number.isdigit():
         # redis-py took it as database 0; Celery's transport refused it.
         raise ValueError(f"a Redis URL's path is its database number, not {number!r}")
     return value
+
+
+def _why(url: str, exc: Exception) -> str:
+    """What the parser said of a URL, unless the URL holds a password: a ``/`` or ``:``
+    in one that is not percent-encoded is a common cause, and the parser then quotes
+    a piece of it as the port or the host."""
+    if "@" not in url:
+        return str(exc)
+    return "if its password holds a '/', ':', '@' or '#', percent-encode them (%2F, %3A, %40, %23)"
 
 
 @cache

@@ -21,6 +21,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from pydantic import ValidationError
 
 from agentruns import Agent, Engine, LocalLeases, LocalScheduler, RunStatus, SqlStore, tool
 from agentruns.cli import main
@@ -550,8 +551,23 @@ def test_a_url_that_is_not_one_names_its_setting_and_hides_its_password(
                 line = cli.fails(2, *argv)
                 assert f"invalid setting AGENTRUNS_{name}: " in line and said in line, line
                 assert "hunter2" not in line and "Value error" not in line
+    # A password with a '/' not percent-encoded: the parser quoted a piece of it.
+    for name, url in (
+        ("REDIS_URL", "redis://:Zm9v/YmFy@127.0.0.1:6379/1"),
+        ("DATABASE_URL", "postgresql+psycopg://u:p@ss:word@127.0.0.1/x"),
+    ):
+        with monkeypatch.context() as scoped:
+            scoped.setenv(f"AGENTRUNS_{name}", url)
+            line = cli.fails(2, "runs")
+            assert "percent-encode" in line and "Zm9v" not in line and "ss:word" not in line, line
     monkeypatch.setenv("AGENTRUNS_BROKER_URL", "amqp://guest:guest@127.0.0.1:1//")
     Settings()  # another broker's URL is Celery's to judge
+    failover = "redis://127.0.0.1:6379/12;redis://127.0.0.1:6380/12"  # kombu's alternates
+    monkeypatch.setenv("AGENTRUNS_BROKER_URL", failover)
+    assert Settings().broker_url == failover
+    monkeypatch.setenv("AGENTRUNS_BROKER_URL", "redis://127.0.0.1:6379/12;redis://h/x")
+    with pytest.raises(ValidationError, match="database number, not 'x'"):
+        Settings()
 
 
 def test_a_database_that_opens_but_fails_is_not_sent_to_migrate(

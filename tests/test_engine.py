@@ -172,13 +172,15 @@ def test_a_key_that_names_another_agents_run_returns_it_and_says_so(
     first = engine.dispatch("triage", trigger({"n": 1}, id="evt-9"))
     with caplog.at_level("WARNING", logger="agentruns"):
         assert engine.dispatch("triage", trigger({"n": 1}, id="evt-9")).id == first.id
+        tuples = trigger({"n": (1, 2)}, id="evt-10")  # stored as JSON: a list
+        assert engine.dispatch("triage", tuples).id == engine.dispatch("triage", tuples).id
         assert caplog.records == []  # the same dispatch again: nothing to say
         assert engine.dispatch("notify", trigger({"n": 1}, id="evt-9")).id == first.id
         assert engine.dispatch("triage", trigger({"n": 2}, id="evt-9")).id == first.id
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2 and all("'evt-9' already names run " + first.id in m for m in said)
     assert "of agent 'triage'" in said[0] and "of another payload" in said[1]
-    assert len(engine.list_runs()) == 1
+    assert len(engine.list_runs()) == 2
 
 
 def test_dispatch_refuses_unknown_agent_and_non_json_payload_storing_nothing(

@@ -32,6 +32,7 @@ from agentruns import (
     CeleryScheduler,
     Engine,
     LeaseLostError,
+    LocalLeases,
     LocalScheduler,
     RedisLeases,
     RunStatus,
@@ -40,6 +41,7 @@ from agentruns import (
     tool,
 )
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.schedulers import ManualScheduler
 from bench.cluster import Cluster
 from tests.conftest import REDIS_URL, Errors, free_port, trigger, wait_for
 from tests.support import celery_agents
@@ -228,6 +230,35 @@ def test_postgres_going_away_aborts_the_execution_and_recover_finishes_the_run(
     finally:
         engine.close()
         direct.close()
+
+
+def test_a_create_whose_reply_was_lost_returns_the_run_it_stored(
+    db_url: str, proxy: Proxy, errors: Errors
+) -> None:
+    # A create is sent again when its connection was gone. The first try had
+    # committed: a run with an idempotency key found it taken, but one without (no
+    # trigger id: allowed) met its own id, and the dispatch raised IntegrityError
+    # although its run was stored.
+    via_proxy = db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    engine = Engine(
+        SqlStore(via_proxy),
+        leases=LocalLeases(),
+        scheduler=ManualScheduler(),
+        agents=[Agent("a", ScriptedModel([text("ok")]))],
+        secret="s",
+        on_error=errors.append,
+    )
+    try:
+        engine.dispatch("a", trigger({"n": 0}))  # prepares the statement on a connection
+        for fields in ({}, {"id": "evt-1"}):
+            proxy.lose_reply_to(b"agentruns_create")
+            run = engine.dispatch("a", trigger({"n": 1}, **fields))
+            assert run.status is RunStatus.QUEUED
+            assert engine.store.get_run(run.id) == run
+        assert len(engine.list_runs()) == 3
+        assert engine.execute(run.id).status is RunStatus.COMPLETED
+    finally:
+        engine.close()
 
 
 def test_an_effects_result_is_recorded_across_a_dropped_connection_and_not_repeated(

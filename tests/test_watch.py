@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import redis
+import sqlalchemy as sa
 
 from agentruns import Agent, Engine, LocalLeases, RedisLeases, Run, RunStatus, SqlStore, tool
 from agentruns.broadcast import channel, subscribe, summary
@@ -132,6 +133,50 @@ def test_watch_looks_on_a_clock_when_redis_goes_away(
     wakeups = _wakeups(session, 0.01)
     assert [next(wakeups), next(wakeups)] == [None, None]
     assert "lost Redis's events" in capsys.readouterr().err
+
+
+def test_a_look_whose_read_fails_leaves_its_runs_to_the_next_look(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A watch now outlives a failed read, but the look had noted the run as shown
+    # before it read the steps: every later look skipped it, its completion was
+    # never printed, and --until-final never ended.
+    @tool
+    def search() -> str:
+        """Search."""
+        return "found"
+
+    model = ScriptedModel([tool_use("search", {}), text("done")])
+    engine = Engine(
+        SqlStore(sqlite_url),
+        leases=LocalLeases(),
+        scheduler=ManualScheduler(),
+        agents=[Agent("a", model, tools=[search])],
+        secret="s",
+    )
+    try:
+        out = io.StringIO()
+        follower = _Follower(Session(as_json=False, out=out), engine, history=False)
+        run = engine.dispatch("a", trigger({}))
+        follower.poll([engine.get_run(run.id)], baseline=True)
+        assert engine.execute(run.id).status is RunStatus.COMPLETED
+        steps = engine.steps
+
+        def gone(run_id: str) -> Any:
+            raise sa.exc.OperationalError("SELECT", {}, Exception("connection gone"))
+
+        monkeypatch.setattr(engine, "steps", gone)
+        with pytest.raises(sa.exc.OperationalError):
+            follower.poll([engine.get_run(run.id)], baseline=False)
+        monkeypatch.setattr(engine, "steps", steps)
+        follower.poll([engine.get_run(run.id)], baseline=False)
+        assert follower.settled()
+        lines = out.getvalue().splitlines()
+        shown = [line.split()[1:4] for line in lines]
+        assert [s[2].rstrip(":") for s in shown if s[0] == "run"] == ["queued", "completed"], lines
+        assert len([s for s in shown if s[0] != "run"]) == 3, lines  # llm, tool, llm
+    finally:
+        engine.close()
 
 
 def test_a_running_event_that_comes_after_a_later_look_is_not_shown(sqlite_url: str) -> None:

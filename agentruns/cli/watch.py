@@ -64,13 +64,16 @@ class _Follower:
                     continue  # deleted by hand since the look
                 self._show(run, new, baseline)
             else:  # the status shown still holds: only its new steps, if any
+                steps = self.engine.steps(head.id)  # read first: see _show
                 self.updated[head.id] = head.updated_at
-                self._show_steps(head.id, self.engine.steps(head.id))
+                self._show_steps(head.id, steps)
         self._forget(looked)
 
     def _show(self, run: Run, new: bool, baseline: bool) -> None:
-        self.updated[run.id] = run.updated_at
+        # Read before anything is noted: a read that fails (the database went away)
+        # leaves the run to be shown by the next look, not taken as shown.
         steps = self.engine.steps(run.id)
+        self.updated[run.id] = run.updated_at
         if new and not self.history:
             self.steps[run.id] = len(steps) if baseline else 0
         changed = new or self.status[run.id] != run.status

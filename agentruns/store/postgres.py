@@ -132,8 +132,12 @@ class Statements:
         params["trigger"] = dumps(params["trigger"])
         params["budget"] = dumps(params["budget"]) if params["budget"] is not None else None
         # Sent again if the connection was gone: a first try that did commit makes
-        # the second find the idempotency key taken, which is what it would have said.
-        return self._once_more_if_gone(CREATE, params)
+        # the second find the idempotency key taken, which is what it would have said,
+        # or, for a run without one, its own id (the caller then reads it by its id).
+        try:
+            return self._once_more_if_gone(CREATE, params)
+        except sa.exc.IntegrityError:
+            return None  # only its id can be taken: by a first try that did commit
 
     def claim(
         self, run_id: str, owner: str, expires_at: datetime, now: datetime

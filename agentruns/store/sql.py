@@ -146,12 +146,15 @@ class SqlStore:
         row = self.writes.create(new, utcnow())
         if row is not None:
             return run_from_row(row), True
+        # The run its key names; a run without a key, only a first try of this very
+        # create that committed before its connection went (see Statements.create).
+        same = (
+            R.c.id == new.id
+            if new.idempotency_key is None
+            else (R.c.idempotency_key == new.idempotency_key)
+        )
         with self._reads.connect() as conn:
-            existing = (
-                conn.execute(sa.select(R).where(R.c.idempotency_key == new.idempotency_key))
-                .mappings()
-                .one()
-            )
+            existing = conn.execute(sa.select(R).where(same)).mappings().one()
         return run_from_row(existing), False
 
     def create_claimed(self, new: NewRun, owner: str, expires_at: datetime) -> Claimed | None:

@@ -20,11 +20,19 @@ class Proxy:
         self._lock = threading.Lock()
         self._open = True
         self._holding = False
+        self._lose_reply_to: bytes | None = None
+        self._losing: set[socket.socket] = set()  # upstreams whose replies go nowhere
         self._listener = socket.socket()
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind(("127.0.0.1", self.port))
         self._listener.listen(64)
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def lose_reply_to(self, marker: bytes) -> None:
+        """Pass the next message holding ``marker`` (a prepared statement's name) on to
+        the server, then end its connection without its reply: the statement ran and
+        committed, and its sender cannot know."""
+        self._lose_reply_to = marker
 
     def restore(self) -> None:
         self._open = True
@@ -54,7 +62,15 @@ class Proxy:
             while data := src.recv(65536):
                 while self._holding and self._open:
                     time.sleep(0.01)
+                if src in self._losing:
+                    break  # a reply that is lost
                 dst.sendall(data)
+                marker = self._lose_reply_to
+                if marker is not None and marker in data:
+                    self._lose_reply_to = None
+                    self._losing.add(dst)
+                    time.sleep(0.3)  # the server runs and commits it meanwhile
+                    break
         except OSError:
             pass
         finally:

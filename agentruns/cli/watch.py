@@ -189,7 +189,7 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
         every = f"every {interval:g}s"
         how = f"as events arrive and {every}" if session.settings.redis_url else every
         session.emit(f"watching {target} {how} until {stop}")
-    lost = _Lost(interval)
+    lost = _Lost()
     try:
         for events in _wakeups(session, interval):
             if events is not None:
@@ -214,8 +214,7 @@ class _Lost:
     connection): a look that fails is said once, on stderr, and made again at the
     next wake-up; where it worked, it was the first read that ended the watch."""
 
-    def __init__(self, interval: float) -> None:
-        self.interval = interval
+    def __init__(self) -> None:
         self.since: float | None = None
 
     def look(self, poll: Callable[[], None]) -> bool:

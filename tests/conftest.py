@@ -6,8 +6,10 @@ Postgres and Redis are the real services on 127.0.0.1 (``make test`` starts them
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -56,12 +58,34 @@ def empty_pg() -> Iterator[str]:
 
 
 def drop_connections(url: str) -> None:
-    """Every connection to ``url``'s database goes, as in a Postgres restart."""
+    """Every connection to ``url``'s database goes, as in a Postgres restart: ended,
+    and gone by the time this returns (the server has closed their sockets)."""
+    database = sa.make_url(url).database
     with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
         admin.execute(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE datname = %s",
-            (sa.make_url(url).database,),
+            (database,),
         )
+        deadline = time.monotonic() + 10
+        while admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (database,)
+        ).fetchone() != (0,):
+            assert time.monotonic() < deadline, "the backends did not exit"
+            time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def database_away(url: str) -> Iterator[None]:
+    """``url``'s database refuses connections and has none (a server that is down),
+    until the block ends."""
+    database = sa.make_url(url).database
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS false')
+        try:
+            drop_connections(url)
+            yield
+        finally:
+            admin.execute(f'ALTER DATABASE "{database}" WITH ALLOW_CONNECTIONS true')
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -46,6 +47,7 @@ from tests.conftest import (
     REDIS_URL,
     EngineFactory,
     Errors,
+    database_away,
     drop_connections,
     engines_on,
     trigger,
@@ -1873,12 +1875,14 @@ def test_a_database_outage_while_recording_an_effect_aborts_the_execution_not_th
 ) -> None:
     charged: list[str] = []
     cut: list[bool] = []
+    away = contextlib.ExitStack()
 
     def cut_the_database_once(arguments: dict[str, Any], ctx: ToolContext) -> bool:
-        # As a Postgres restart would, just before the effect's intent is recorded.
+        # The server goes down just before the effect's intent is recorded (a drop
+        # alone no longer does it: a connection the server ended is replaced).
         if not cut:
             cut.append(True)
-            drop_connections(db_url)
+            away.enter_context(database_away(db_url))
         return False
 
     @tool(effect=True, needs_approval=cut_the_database_once)
@@ -1889,8 +1893,9 @@ def test_a_database_outage_while_recording_an_effect_aborts_the_execution_not_th
 
     model = ScriptedModel([tool_use("charge", {"amount": 5}), text("ok")])
     engine = make_engine([Agent("a", model, tools=[charge])], requeue_after=0.5)
-    run = engine.dispatch("a", trigger({}))
-    assert engine.idle(10)
+    with away:
+        run = engine.dispatch("a", trigger({}))
+        assert engine.idle(20)
     # The execution stopped without settling (nothing it could not write is claimed)
     # and without telling the model the write failed; recovery finishes the run.
     assert engine.get_run(run.id).status is RunStatus.RUNNING

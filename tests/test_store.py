@@ -26,7 +26,7 @@ from agentruns.migrations import HEAD, REVISIONS, current_revision
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
-from tests.conftest import PG_ADMIN, drop_connections, free_port, wait_for
+from tests.conftest import database_away, drop_connections, free_port, wait_for
 
 
 def new_run(key: str | None = None, idem: str | None = None) -> NewRun:
@@ -495,18 +495,18 @@ def test_a_hot_statement_is_refused_on_a_connection_inside_a_transaction(db_url:
     store.close()
 
 
-def test_a_broken_connection_fails_its_write_and_the_next_write_gets_a_new_one(
+def test_a_held_connection_the_server_ended_is_replaced_before_a_write_is_sent(
     db_url: str,
 ) -> None:
+    # A connection ended while the hot path held it between two writes (a restart,
+    # an idle timeout, a terminated backend) failed the next write, which aborted its
+    # execution: the run waited for recover() (30 s and more, in a chaos audit for
+    # 82 runs of 200). The server says so on the socket before anything is sent.
     store = SqlStore(db_url)
     run, guard = _running(store)  # its claim leaves the connection it used held
     ((held, _, _),) = store.writes.held.idle  # type: ignore[attr-defined]
     backend = held.driver_connection.info.backend_pid
-    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-        admin.execute("SELECT pg_terminate_backend(%s)", (backend,))
-    with pytest.raises(sa.exc.OperationalError):
-        store.commit(run, guard, Commit(steps=[_step("lost")]))
-    assert not store.writes.held.idle  # type: ignore[attr-defined]
+    drop_connections(db_url)
     committed = store.commit(run, guard, Commit(steps=[_step("kept")]))
     assert committed is not None
     assert [s.name for s in store.steps(run.id)] == ["kept"]
@@ -515,9 +515,9 @@ def test_a_broken_connection_fails_its_write_and_the_next_write_gets_a_new_one(
     store.close()
 
 
-def test_a_broken_hot_connection_sends_the_pools_others_back_to_reconnect(db_url: str) -> None:
-    # Postgres dropped every connection (a restart, a failover): the hot write that
-    # finds out must not leave each other pooled connection to fail one write more.
+def test_after_postgres_dropped_every_connection_no_write_or_read_fails(db_url: str) -> None:
+    # A restart, a failover: each pooled connection was dead, and the first statement
+    # on each (a write through the pool, a read) failed.
     store = SqlStore(db_url)
     run, guard = _running(store)
     pooled = [store.engine.raw_connection() for _ in range(5)]
@@ -526,28 +526,24 @@ def test_a_broken_hot_connection_sends_the_pools_others_back_to_reconnect(db_url
     for connection in pooled:
         connection.close()  # back to the pool, idle
     drop_connections(db_url)
-    with pytest.raises(sa.exc.OperationalError):
-        store.commit(run, guard, Commit(steps=[_step("lost")]))
     for n in range(6):
+        assert store.get_run(run.id).id == run.id
         assert store.commit(run, guard, Commit(steps=[_step(f"after {n}")])) is not None
     assert len(store.steps(run.id)) == 6
     store.close()
 
 
-def test_a_broken_connection_elsewhere_sends_the_held_ones_back_to_reconnect(
+def test_a_write_while_the_server_is_away_fails_and_the_next_gets_a_new_connection(
     db_url: str,
 ) -> None:
-    # Say Postgres restarted: a read finds out first. The write after it must not
-    # fail on a held connection that nothing else could see was gone.
+    # The write fails (its execution aborts, recover() finishes the run), and the one
+    # after it, once the server is back, connects again.
     store = SqlStore(db_url)
     run, guard = _running(store)
-    store.get_run(run.id)  # a read, on a pooled connection other than the held one
-    drop_connections(db_url)
-    with pytest.raises(sa.exc.OperationalError):
-        store.get_run(run.id)
+    with database_away(db_url), pytest.raises(sa.exc.OperationalError):
+        store.commit(run, guard, Commit(steps=[_step("lost")]))
     assert not store.writes.held.idle  # type: ignore[attr-defined]
-    committed = store.commit(run, guard, Commit(steps=[_step("after")]))
-    assert committed is not None
+    assert store.commit(run, guard, Commit(steps=[_step("after")])) is not None
     assert [s.name for s in store.steps(run.id)] == ["after"]
     store.close()
 

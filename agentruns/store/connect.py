@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import weakref
 from typing import Any
 
 import psycopg
 import sqlalchemy as sa
-from psycopg.pq import ExecStatus, TransactionStatus
+from psycopg.pq import ConnStatus, ExecStatus, TransactionStatus
 from sqlalchemy.engine import Connection, Engine
 
 from agentruns.errors import AgentrunsError
@@ -122,9 +123,12 @@ def _make_engine(url: str, **kwargs: Any) -> Engine:
     # what a worker's runs make when their model calls return together.
     kwargs.setdefault("pool_size", 30)
     kwargs.setdefault("max_overflow", 0)
-    # No pre-ping round trip per checkout: a dead connection fails its write, which
-    # aborts the execution (recover() finishes the run), and SQLAlchemy then
-    # replaces the pool's connections.
+    # No pre-ping round trip per checkout, but a look at the socket (``closed``, on
+    # checkout; the hot path's held connections, in held.py): a connection the
+    # server ended while it sat idle (a restart, an idle timeout, a terminated
+    # backend) is replaced before anything is sent on it. One that breaks while in
+    # use fails its statement, which aborts the execution (recover() finishes the
+    # run), and SQLAlchemy then replaces the pool's connections.
     kwargs.setdefault("pool_recycle", 1800)
     # A returned connection is rolled back only if it is inside a transaction (see
     # _rollback_if_in_transaction), instead of on every return.
@@ -139,7 +143,33 @@ def _make_engine(url: str, **kwargs: Any) -> Engine:
     engine = sa.create_engine(url, json_serializer=dumps, **kwargs)
     sa.event.listen(engine, "connect", _session_settings)
     sa.event.listen(engine, "reset", _rollback_if_in_transaction)
+    sa.event.listen(engine, "checkout", _not_closed)
     return engine
+
+
+def closed(driver: psycopg.Connection[Any]) -> bool:
+    """Has the server ended this idle connection? It then said so on its socket (a
+    FATAL message, then end of file) before anything was sent: a statement sent
+    on it would fail, and a write that failed so could not be told from one that
+    broke off halfway. A select() with no wait, no round trip."""
+    pgconn = driver.pgconn
+    if pgconn.status != ConnStatus.OK:
+        return True
+    if pgconn.transaction_status != TransactionStatus.IDLE:
+        return False  # in a transaction: not an idle connection's to judge
+    try:
+        readable, _, _ = select.select([pgconn.socket], [], [], 0)
+    except (OSError, ValueError, psycopg.Error):
+        return True
+    # An idle connection is told nothing unasked but that it is ended (and, rarely,
+    # a setting the server reloaded: that one is replaced too, for a reconnect).
+    return bool(readable)
+
+
+def _not_closed(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
+    # The pool replaces a connection this refuses, and checks out a new one.
+    if closed(dbapi_conn):
+        raise sa.exc.DisconnectionError("the server closed the connection while it was idle")
 
 
 # libpq's connection options for that: a connect that hangs gives up after 10 s,

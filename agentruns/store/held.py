@@ -11,6 +11,8 @@ import psycopg
 import sqlalchemy as sa
 from psycopg import pq
 
+from agentruns.store.connect import closed
+
 IDLE = pq.TransactionStatus.IDLE
 
 
@@ -64,10 +66,18 @@ class Held(Generic[S]):
         idle = self.idle
         if idle:
             self._age_out(idle)
-        try:
-            return idle.pop()  # the newest: the most recently used connection
-        except IndexError:
-            pass
+        while True:
+            try:
+                held = idle.pop()  # the newest: the most recently used connection
+            except IndexError:
+                break
+            if not closed(held[1].driver):
+                return held
+            # The server ended it while it was held (a restart, a terminated
+            # backend): replaced before a write is sent on it, which would have
+            # failed and aborted its execution. Each other is looked at as it is taken.
+            held[0].invalidate()
+            held[0].close()
         try:
             pooled = self.engine.raw_connection()
         except psycopg.OperationalError as exc:

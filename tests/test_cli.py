@@ -29,6 +29,7 @@ from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.settings import Settings
 from tests.conftest import wait_for
+from tests.support.proxy import Proxy
 from workers import triage
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -310,28 +311,33 @@ def test_a_second_ctrl_c_cuts_the_drain_short_without_a_traceback(cli: Cli, tmp_
 def test_an_embedded_dispatch_whose_writes_lose_the_database_fails_in_one_line(
     db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("AGENTRUNS_DATABASE_URL", db_url)
+    proxy = Proxy(("127.0.0.1", 5432))
+    via_proxy = db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    monkeypatch.setenv("AGENTRUNS_DATABASE_URL", via_proxy)
     monkeypatch.setenv("AGENTRUNS_AGENTS", "tests.support.agents")
     monkeypatch.delenv("AGENTRUNS_REDIS_URL", raising=False)
 
-    def cut_the_writes() -> None:  # once the run is under way, its writes' connection goes
+    def cut_the_writes() -> None:  # once the run is under way, a write breaks off
         with psycopg.connect(db_url.replace("+psycopg", "", 1), autocommit=True) as conn:
             while not conn.execute("SELECT count(*) FROM agentruns_steps").fetchone()[0]:
                 time.sleep(0.02)
-            conn.execute(
-                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                " WHERE datname = current_database() AND query LIKE 'WITH run AS%'"
-            )
+        proxy.hold()  # the server goes silent: the next step's write waits (0.3 s apart)
+        time.sleep(0.6)
+        proxy.cut()  # and then its connection is gone
+        proxy.restore()
 
     cutter = threading.Thread(target=cut_the_writes)
     cutter.start()
-    code, _, err = Cli(capsys, db_url)("dispatch", "steps", "--payload", "{}")
-    cutter.join()
+    try:
+        code, _, err = Cli(capsys, via_proxy)("dispatch", "steps", "--payload", "{}")
+    finally:
+        cutter.join()
+        proxy.close()
     # The database is back for the CLI's last read: only the execution's report tells.
     assert code == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1
-    assert lines[0].startswith(f"agentruns: error: database error on {db_url}: server closed")
+    assert lines[0].startswith(f"agentruns: error: database error on {via_proxy}: server closed")
 
 
 def test_tick_says_when_a_notifier_fails(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -61,10 +61,11 @@ def _terminating() -> bool:
 
 
 def _in_a_celery_workers_task() -> bool:
-    """Is this thread running a task a Celery worker received (not an eager one)?"""
+    """Is this thread inside a task a Celery worker received, even through an eager
+    one that task applied (``.apply()``, an eager app's send)?"""
     state = sys.modules.get("celery._state")
-    task = state.get_current_worker_task() if state is not None else None
-    return task is not None and not task.request.is_eager
+    tasks = state._task_stack.stack if state is not None else []
+    return any(not (t.request.called_directly or t.request.is_eager) for t in tasks)
 
 
 class AgentrunsError(Exception):

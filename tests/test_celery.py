@@ -377,6 +377,9 @@ def test_in_a_workers_task_only_celerys_hard_shutdown_stops_the_main_thread(
     @celery_app.task(name="agentruns.test_stop", shared=False)
     def received() -> None: ...
 
+    @celery_app.task(name="agentruns.test_applied", shared=False)
+    def applied() -> None: ...
+
     exits = [SystemExit(2), KeyboardInterrupt(), WorkerTerminate(1), WorkerShutdown(0)]
     # Outside a worker's task (an embedded engine, an eager task), each may be a
     # signal's, which the app's own handler raised.
@@ -387,6 +390,14 @@ def test_in_a_workers_task_only_celerys_hard_shutdown_stops_the_main_thread(
         assert [stops_the_task(e) for e in exits] == [True, True, True, True]
         received.request.is_eager = False
         assert [stops_the_task(e) for e in exits] == [False, False, True, True]
+        # A task it applies eagerly runs in it, on the worker's main thread all the same.
+        applied.push_request(id="an-eager-task", is_eager=True, called_directly=False)
+        push_current_task(applied)
+        try:
+            assert [stops_the_task(e) for e in exits] == [False, False, True, True]
+        finally:
+            pop_current_task()
+            applied.pop_request()
     finally:
         pop_current_task()
         received.pop_request()

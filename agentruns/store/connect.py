@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import select
 import weakref
 from typing import Any
 
@@ -148,22 +147,38 @@ def _make_engine(url: str, **kwargs: Any) -> Engine:
 
 
 def closed(driver: psycopg.Connection[Any]) -> bool:
-    """Has the server ended this idle connection? It then said so on its socket (a
-    FATAL message, then end of file) before anything was sent: a statement sent
-    on it would fail, and a write that failed so could not be told from one that
-    broke off halfway. A select() with no wait, no round trip."""
+    """Has the server ended this idle connection? It then said so (a FATAL message,
+    then end of file) before anything was sent: a statement sent on it would fail,
+    and a write that failed so could not be told from one that broke off halfway.
+    No round trip: libpq reads what the socket holds without waiting, and (unlike
+    a select()) without letting go of the GIL, which a worker's hundred threads
+    would make it wait to take back."""
     pgconn = driver.pgconn
     if pgconn.status != ConnStatus.OK:
         return True
     if pgconn.transaction_status != TransactionStatus.IDLE:
         return False  # in a transaction: not an idle connection's to judge
     try:
-        readable, _, _ = select.select([pgconn.socket], [], [], 0)
-    except (OSError, ValueError, psycopg.Error):
+        pgconn.consume_input()  # what came, if anything (end of file raises)
+        pgconn.get_result()  # parsed: an error sent to an idle connection is a notice
+    except psycopg.Error:
         return True
-    # An idle connection is told nothing unasked but that it is ended (and, rarely,
-    # a setting the server reloaded: that one is replaced too, for a reconnect).
-    return bool(readable)
+    return pgconn.status != ConnStatus.OK or driver in _ENDED
+
+
+# The connections whose server said it ends them (FATAL, as a notice: they were idle).
+_ENDED: weakref.WeakSet[psycopg.Connection[Any]] = weakref.WeakSet()
+
+
+def _note_the_end(dbapi_conn: psycopg.Connection[Any]) -> None:
+    connection = weakref.ref(dbapi_conn)
+
+    def on_notice(diagnostic: psycopg.errors.Diagnostic) -> None:
+        ended = connection()
+        if ended is not None and diagnostic.severity_nonlocalized in ("FATAL", "PANIC"):
+            _ENDED.add(ended)
+
+    dbapi_conn.add_notice_handler(on_notice)
 
 
 def _not_closed(dbapi_conn: Any, _record: Any, _proxy: Any) -> None:
@@ -191,6 +206,7 @@ def _session_settings(dbapi_conn: Any, _record: Any) -> None:
     tool produces, the hot path sends its parameters as UTF-8, psycopg reads dates
     only in ``DateStyle`` ISO, and times read back in UTC print the same whatever
     the server's ``TimeZone``. Only what differs is set (usually nothing)."""
+    _note_the_end(dbapi_conn)
     info = dbapi_conn.info
     wanted = []
     if info.encoding != "utf-8":

@@ -55,6 +55,11 @@ class EventPublisher:
         self._thread = threading.Thread(target=self._run, name="agentruns-events", daemon=True)
         self._thread.start()
 
+    def wanted(self) -> bool:
+        """Are events wanted now (``Events.wants``)? Not while nobody watches: the
+        engine then does not make them, a saving on every write of a worker."""
+        return self._listening
+
     def __call__(self, event: Event) -> None:
         # With nobody watching, an event costs nothing; when the queue is full,
         # watchers fall back to polling: a run is never slowed down for them.

@@ -29,6 +29,11 @@ class Event:
 Listener = Callable[[Event], None]
 
 
+def _wanted(listener: Listener) -> bool:
+    wanted: Callable[[], bool] | None = getattr(listener, "wanted", None)
+    return wanted is None or wanted()
+
+
 class _RunQueue:
     """One run's events not yet delivered, and who may write or deliver them."""
 
@@ -101,9 +106,11 @@ class Events:
             self._let_go(queue)
 
     def wants(self, event_type: EventType) -> bool:
-        """Has the event type a listener now? An event nobody listens to is not made:
-        one comes with every write, in the step's own time."""
-        return bool(self._listeners[event_type])
+        """Has the event type a listener that wants it now? An event nobody listens to
+        is not made: one comes with every write, in the step's own time. A listener
+        may say it wants none for now (``wanted()``: a worker's publisher while no
+        watcher is subscribed, which would drop them)."""
+        return any(_wanted(listener) for listener in self._listeners[event_type])
 
     def run_updated(self, run: Run) -> None:
         if self.wants("run.updated"):

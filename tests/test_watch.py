@@ -16,7 +16,7 @@ import redis
 import sqlalchemy as sa
 
 from agentruns import Agent, Engine, LocalLeases, RedisLeases, Run, RunStatus, SqlStore, tool
-from agentruns.broadcast import channel, subscribe, summary
+from agentruns.broadcast import EventPublisher, channel, subscribe, summary
 from agentruns.cli.session import Session
 from agentruns.cli.watch import _Follower, _runs, _wakeups
 from agentruns.models import ScriptedModel, text, tool_use
@@ -308,3 +308,54 @@ def test_events_that_arrive_together_are_read_in_one_wakeup() -> None:
         assert batch is not None and [e["run_id"] for e in batch] == [str(i) for i in range(50)]
     finally:
         wakeups.close()
+
+
+def test_a_worker_makes_no_events_while_nobody_watches(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker's publisher listens to every write and drops the events while no
+    # watcher is subscribed: each write still made its steps and events for it.
+    built: list[int] = []
+    new_steps = sql.new_steps
+
+    def counted(*args: Any) -> Any:
+        steps = new_steps(*args)
+        built.append(len(steps))
+        return steps
+
+    monkeypatch.setattr(sql, "new_steps", counted)
+    prefix = f"watch-wanted-{os.getpid()}"
+    publisher = EventPublisher(REDIS_URL, prefix=prefix)
+    engine = Engine(
+        SqlStore(sqlite_url),
+        leases=LocalLeases(),
+        scheduler=ManualScheduler(),
+        agents=[Agent("a", ScriptedModel([text("ok")]))],
+        secret="s",
+    )
+    engine.on("run.updated", publisher)
+    engine.on("step.appended", publisher)
+    wakeups = None
+    try:
+        time.sleep(2 * EventPublisher.LOOK_EVERY_S)
+        unwatched = engine.dispatch("a", trigger({"n": 1}))
+        assert engine.execute(unwatched.id).status is RunStatus.COMPLETED
+        assert built == []
+
+        wakeups = subscribe(REDIS_URL, prefix=prefix, timeout=0.2)
+        assert next(wakeups) is None  # subscribed
+        time.sleep(2 * EventPublisher.LOOK_EVERY_S)  # the publisher sees a watcher
+        watched = engine.dispatch("a", trigger({"n": 2}))
+        assert engine.execute(watched.id).status is RunStatus.COMPLETED
+        assert built == [1]
+        heard: list[dict[str, object]] = []
+        deadline = time.monotonic() + 5
+        while not any(e.get("type") == "step.appended" for e in heard):
+            assert time.monotonic() < deadline, heard
+            heard += next(wakeups) or []
+        assert {e["run_id"] for e in heard} == {watched.id}
+    finally:
+        if wakeups is not None:
+            wakeups.close()
+        engine.close()
+        publisher.close()

@@ -239,15 +239,7 @@ def test_a_create_whose_reply_was_lost_returns_the_run_it_stored(
     # committed: a run with an idempotency key found it taken, but one without (no
     # trigger id: allowed) met its own id, and the dispatch raised IntegrityError
     # although its run was stored.
-    via_proxy = db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
-    engine = Engine(
-        SqlStore(via_proxy),
-        leases=LocalLeases(),
-        scheduler=ManualScheduler(),
-        agents=[Agent("a", ScriptedModel([text("ok")]))],
-        secret="s",
-        on_error=errors.append,
-    )
+    engine = _through_proxy(db_url, proxy, errors)
     try:
         engine.dispatch("a", trigger({"n": 0}))  # prepares the statement on a connection
         for fields in ({}, {"id": "evt-1"}):
@@ -259,6 +251,36 @@ def test_a_create_whose_reply_was_lost_returns_the_run_it_stored(
         assert engine.execute(run.id).status is RunStatus.COMPLETED
     finally:
         engine.close()
+
+
+def test_a_claim_whose_connection_breaks_before_the_server_has_it_is_sent_again(
+    db_url: str, proxy: Proxy, errors: Errors
+) -> None:
+    # The claim met a connection that broke in flight: the execution raised, and its
+    # run waited for recover(). A claim is sent once more on a new connection.
+    engine = _through_proxy(db_url, proxy, errors)
+    try:
+        run = engine.dispatch("a", trigger({}))
+        proxy.hold()  # the claim waits in the proxy and never reaches the server
+        breaks = threading.Timer(0.3, lambda: (proxy.cut(), proxy.restore()))
+        breaks.start()
+        assert engine.execute(run.id).status is RunStatus.COMPLETED
+        breaks.join()
+        assert errors == []
+    finally:
+        engine.close()
+
+
+def _through_proxy(db_url: str, proxy: Proxy, errors: Errors) -> Engine:
+    """An engine through the proxy that runs its runs in this thread, when told to."""
+    return Engine(
+        SqlStore(db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")),
+        leases=LocalLeases(),
+        scheduler=ManualScheduler(),
+        agents=[Agent("a", ScriptedModel([text("ok")]))],
+        secret="s",
+        on_error=errors.append,
+    )
 
 
 def test_an_effects_result_is_recorded_across_a_dropped_connection_and_not_repeated(

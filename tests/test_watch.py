@@ -29,6 +29,17 @@ from tests.conftest import REDIS_URL, database_away, free_port, trigger
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _manual_engine(url: str, agent: Agent | None = None) -> Engine:
+    """An engine whose runs execute only when the test says (agent "a" answers "ok")."""
+    return Engine(
+        SqlStore(url),
+        leases=LocalLeases(),
+        scheduler=ManualScheduler(),
+        agents=[agent or Agent("a", ScriptedModel([text("ok")]))],
+        secret="s",
+    )
+
+
 def test_watch_wakes_on_published_events_instead_of_waiting_for_its_poll(
     sqlite_url: str,
 ) -> None:
@@ -87,13 +98,7 @@ def test_watch_wakes_on_published_events_instead_of_waiting_for_its_poll(
 def test_watch_outlives_the_database_going_away_for_a_while(db_url: str) -> None:
     # A watch is meant to run for long: one failed read (a restart, a killed
     # backend) ended it with "database error ... terminating connection".
-    engine = Engine(
-        SqlStore(db_url),
-        leases=LocalLeases(),
-        scheduler=ManualScheduler(),
-        agents=[Agent("a", ScriptedModel([text("ok")]))],
-        secret="s",
-    )
+    engine = _manual_engine(db_url)
     run = engine.dispatch("a", trigger({}))
     env = {**os.environ, "AGENTRUNS_DATABASE_URL": db_url, "PYTHONPATH": str(ROOT)}
     env.pop("AGENTRUNS_REDIS_URL", None)
@@ -147,13 +152,7 @@ def test_a_look_whose_read_fails_leaves_its_runs_to_the_next_look(
         return "found"
 
     model = ScriptedModel([tool_use("search", {}), text("done")])
-    engine = Engine(
-        SqlStore(sqlite_url),
-        leases=LocalLeases(),
-        scheduler=ManualScheduler(),
-        agents=[Agent("a", model, tools=[search])],
-        secret="s",
-    )
+    engine = _manual_engine(sqlite_url, Agent("a", model, tools=[search]))
     try:
         out = io.StringIO()
         follower = _Follower(Session(as_json=False, out=out), engine, history=False)
@@ -194,13 +193,7 @@ def test_a_running_event_that_comes_after_a_later_look_is_not_shown(sqlite_url: 
 
     model = ScriptedModel([tool_use("search", {}), tool_use("post", {"body": "hi"})])
 
-    engine = Engine(
-        SqlStore(sqlite_url),
-        leases=LocalLeases(),
-        scheduler=ManualScheduler(),
-        agents=[Agent("a", model, tools=[search, post])],
-        secret="s",
-    )
+    engine = _manual_engine(sqlite_url, Agent("a", model, tools=[search, post]))
     try:
         published: list[dict[str, object]] = []
         engine.on("run.updated", lambda event: published.append(summary(event)))
@@ -225,17 +218,6 @@ def test_a_running_event_that_comes_after_a_later_look_is_not_shown(sqlite_url: 
         assert shown == ["queued", "running", "waiting", "cancelled"], lines
     finally:
         engine.close()
-
-
-def _manual_engine(url: str) -> Engine:
-    """An engine whose runs execute only when the test says."""
-    return Engine(
-        SqlStore(url),
-        leases=LocalLeases(),
-        scheduler=ManualScheduler(),
-        agents=[Agent("a", ScriptedModel([text("ok")]))],
-        secret="s",
-    )
 
 
 def test_a_watcher_forgets_settled_runs_that_left_its_window(sqlite_url: str) -> None:
@@ -326,13 +308,7 @@ def test_a_worker_makes_no_events_while_nobody_watches(
     monkeypatch.setattr(sql, "new_steps", counted)
     prefix = f"watch-wanted-{os.getpid()}"
     publisher = EventPublisher(REDIS_URL, prefix=prefix)
-    engine = Engine(
-        SqlStore(sqlite_url),
-        leases=LocalLeases(),
-        scheduler=ManualScheduler(),
-        agents=[Agent("a", ScriptedModel([text("ok")]))],
-        secret="s",
-    )
+    engine = _manual_engine(sqlite_url)
     engine.on("run.updated", publisher)
     engine.on("step.appended", publisher)
     wakeups = None

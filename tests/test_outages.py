@@ -271,6 +271,47 @@ def test_a_claim_whose_connection_breaks_before_the_server_has_it_is_sent_again(
         engine.close()
 
 
+def test_a_claim_whose_reply_was_lost_executes_its_run(
+    db_url: str, proxy: Proxy, errors: Errors
+) -> None:
+    # The claim committed and its reply was lost. Sent again, it found the run no
+    # longer queued: the run stayed running, claimed by this engine but executed by
+    # none, until its claim expired and recover() took it.
+    engine = _through_proxy(db_url, proxy, errors)
+    try:
+        engine.execute(engine.dispatch("a", trigger({"n": 0})).id)  # prepares the claim
+        run = engine.dispatch("a", trigger({"n": 1}))
+        proxy.lose_reply_to(b"agentruns_claim")
+        done = engine.execute(run.id)
+        assert done.status is RunStatus.COMPLETED, done
+        assert errors == []
+    finally:
+        engine.close()
+
+
+def test_a_claimed_create_whose_reply_was_lost_executes_its_run(
+    db_url: str, proxy: Proxy, errors: Errors
+) -> None:
+    # A run a worker stores already claimed, whose create committed and whose reply
+    # was lost: sent again, the create found the run's key (or id) taken and the run
+    # went the way of a duplicate, left running until its claim expired.
+    engine = _through_proxy(db_url, proxy, errors)
+    try:
+        engine.dispatch_here("a", trigger({"n": 0}))  # prepares the statement
+        for fields in ({}, {"id": "evt-1"}):
+            proxy.lose_reply_to(b"agentruns_create")
+            run = engine.dispatch_here("a", trigger({"n": 1}, **fields))
+            assert run.status is RunStatus.COMPLETED, run
+            assert [s.kind for s in engine.steps(run.id)] == ["llm"]
+        assert len(engine.list_runs()) == 3
+        # A key another run holds is still that run's: it is not taken for this one's.
+        again = engine.dispatch_here("a", trigger({"n": 2}, id="evt-1"))
+        assert again.id == run.id
+        assert errors == []
+    finally:
+        engine.close()
+
+
 def _through_proxy(db_url: str, proxy: Proxy, errors: Errors) -> Engine:
     """An engine through the proxy that runs its runs in this thread, when told to."""
     return Engine(

@@ -21,7 +21,12 @@ WITH RECURSIVE run AS (
     -- (agentruns_runs_key_line), whose predicate this repeats: not the key's whole
     -- history, which a long-lived thread makes long.
     WHERE r.id = %(run_id)s
-      AND COALESCE(r.status, '') = 'queued'
+      -- Or the run this very claim already has: a first try that committed before
+      -- its connection went, whose owner and expiry the claim sent again repeats
+      -- (the owner holds the run's lease, so none other claimed it since).
+      AND ((COALESCE(r.status, '') = 'running' AND r.claim_owner = %(owner)s
+            AND r.claim_expires_at = %(expires_at)s)
+      OR (COALESCE(r.status, '') = 'queued'
       AND (r.concurrency_key IS NULL OR (NOT EXISTS (
             SELECT 1 FROM agentruns_runs AS older
             WHERE older.concurrency_key = r.concurrency_key
@@ -39,7 +44,7 @@ WITH RECURSIVE run AS (
               AND held.finished_at IS NULL
               AND COALESCE(held.status, '') = 'waiting'
               AND COALESCE(held.concurrency_key, '') = r.concurrency_key
-              AND (held.created_at, held.id) < (r.created_at, r.id)))))
+              AND (held.created_at, held.id) < (r.created_at, r.id)))))))
     RETURNING r.*
 )
 -- A new run has no messages: no lookup. (The message rows cannot change under

@@ -133,7 +133,8 @@ class Statements:
         params["budget"] = dumps(params["budget"]) if params["budget"] is not None else None
         # Sent again if the connection was gone: a first try that did commit makes
         # the second find the idempotency key taken, which is what it would have said,
-        # or, for a run without one, its own id (the caller then reads it by its id).
+        # or, for a run without one, its own id. Either way the caller then reads the
+        # run, and takes a claimed one with this claim's owner and expiry for its own.
         try:
             return self._once_more_if_gone(CREATE, params)
         except sa.exc.IntegrityError:
@@ -146,8 +147,8 @@ class Statements:
         params = {"run_id": run_id, "owner": owner, "expires_at": expires_at, "now": now}
         try:
             # Sent again if the connection was gone: a first try that did commit
-            # makes the second find the run not queued, and its claim expires for
-            # recover(), as if the first had failed.
+            # makes the second find the run claimed with this owner and expiry, which
+            # claim.sql takes for this claim's own.
             return self._once_more_if_gone(CLAIM, params)
         except sa.exc.IntegrityError:
             return None  # another run of the same concurrency key is running

@@ -164,7 +164,19 @@ class SqlStore:
             raise ValueError("a run with a concurrency key is claimed in turn, not on creation")
         row = self.writes.create(new, utcnow(), (owner, expires_at))
         if row is None:
-            return None
+            # The key is taken; or the run is this create's own, stored by a first try
+            # that committed before its connection went (see Statements.create).
+            ours = sa.select(R).where(
+                R.c.id == new.id,
+                _status_of_one == RunStatus.RUNNING.value,
+                R.c.claim_owner == owner,
+                R.c.claim_expires_at == expires_at,
+            )
+            with self._reads.connect() as conn:
+                stored = conn.execute(ours).mappings().first()
+            if stored is None:
+                return None
+            row = dict(stored)
         start = self._transcript_of(row, [])
         return Claimed(run=run_from_row(row), epoch=row["epoch"], transcript=start)
 

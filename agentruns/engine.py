@@ -94,12 +94,15 @@ class Engine:
         lease_ttl: float = 30.0,
         requeue_after: float = 60.0,
         on_error: Callable[[Exception], None] | None = None,
+        max_crashes: int | None = 3,
     ) -> None:
         if slots < 1 or not all(0 < t <= MAX_SECONDS for t in (lease_ttl, requeue_after)):
             raise ValueError(
                 f"slots must be positive, and lease_ttl and requeue_after from 0 to "
                 f"{MAX_SECONDS} seconds (not {lease_ttl!r}, {requeue_after!r})"
             )
+        if max_crashes is not None and max_crashes < 1:
+            raise ValueError(f"max_crashes must be positive, or None (not {max_crashes!r})")
         self.store: Store = SqlStore(store) if isinstance(store, str) else store
         self.store.check_schema()
         self.leases: Leases = leases if leases is not None else LocalLeases()
@@ -125,6 +128,9 @@ class Engine:
         self.slots = slots
         self.lease_ttl = lease_ttl
         self.requeue_after = requeue_after
+        # recover() fails a run whose execution was lost with its worker this many
+        # times in a row at one step, instead of handing it to yet another worker.
+        self.max_crashes = max_crashes
         self._on_error = on_error
         self._agents: dict[str, Agent] = {}
         for agent in agents:
@@ -612,10 +618,15 @@ class Engine:
         elif ref.status is RunStatus.QUEUED and self.leases.holder(ref.id) is not None:
             return False  # an execution is claiming it right now
         with self.events.writing(ref.id):
-            requeued = self.store.requeue(ref)
+            requeued = self.store.requeue(ref, self.max_crashes)
             if requeued is None:
                 return False
             self.events.run_updated(requeued)
+        if requeued.status is RunStatus.FAILED:  # its step kept ending its workers
+            assert requeued.error is not None
+            log.warning("run %s failed: %s", requeued.id, requeued.error.message)
+            self._after_run(requeued)
+            return False
         return True
 
     def drain(self, timeout: float | None = None) -> None:

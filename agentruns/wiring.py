@@ -61,6 +61,7 @@ def engine_from_settings(settings: Settings | None = None, **overrides: Any) -> 
         "slots": s.slots,
         "lease_ttl": s.lease_ttl,
         "requeue_after": s.requeue_after,
+        "max_crashes": s.max_crashes,
     }
     if s.redis_url:
         kwargs["leases"] = RedisLeases(s.redis_url)

@@ -128,6 +128,30 @@ def test_recovered_run_never_asks_the_model_again_for_a_saved_response(
     assert min(turns_here) >= saved  # nothing the dead process saved was asked again
 
 
+def test_a_run_whose_step_kills_its_worker_fails_on_the_third_loss_instead_of_going_on(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    # Each recovery handed it to another worker, which it killed too, for good.
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("crash", trigger({}))
+    for attempt in range(3):
+        helper = spawn(run.id)
+        assert helper.proc.wait(timeout=20) == -signal.SIGKILL
+        assert helper.lines().count("crash") == attempt + 1
+        if attempt < 2:
+            recover_when_lease_expires(producer, run.id)
+
+    def failed() -> Run | None:
+        assert producer.recover() == []
+        run_now = producer.get_run(run.id)
+        return run_now if run_now.status is RunStatus.FAILED else None
+
+    done = wait_for(failed, "the run failed", timeout=10)
+    assert done.error is not None and done.error.code == "internal_error"
+    assert "3 times in a row at step 1" in done.error.message
+    assert [s.kind for s in producer.steps(run.id)] == ["llm"]
+
+
 def test_a_killed_worker_whose_clock_was_ahead_is_recovered_once_its_lease_expires(
     make_engine: EngineFactory, spawn: Any
 ) -> None:

@@ -43,6 +43,7 @@ from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.models.base import ModelResponse
 from agentruns.runs import Run, utcnow
 from agentruns.schedulers import ManualScheduler
+from agentruns.store.base import Claimed, Commit, Guard, NewStep
 from tests.conftest import (
     REDIS_URL,
     EngineFactory,
@@ -1767,6 +1768,73 @@ def test_recover_requeues_a_queued_run_whose_message_was_lost(
     assert engine.recover() == [run.id]
     assert engine.idle(10)
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
+
+
+def _lost_with_its_worker(engine: Engine, run_id: str) -> Claimed:
+    """The run claimed by a worker that died at once: its claim expired, no lease held."""
+    claimed = engine.store.claim(run_id, "dead:1", utcnow() - timedelta(seconds=1))
+    assert claimed is not None
+    return claimed
+
+
+def test_recover_fails_a_run_whose_execution_was_lost_three_times_at_one_step(
+    make_any_engine: EngineFactory,
+) -> None:
+    # A step that ended its worker's process (a crash, an out-of-memory kill) did so
+    # on every recovery: the run took down one worker after another, for good, and
+    # every run those workers held went down with it.
+    scheduler = ManualScheduler()
+    engine = make_any_engine([Agent("a", ScriptedModel([text("ok")]))], scheduler=scheduler)
+    seen: list[Run] = []
+    engine.on("run.updated", lambda event: seen.append(event.run))
+    run = engine.dispatch("a", trigger({}), concurrency_key="k")
+    behind = engine.dispatch("a", trigger({}), concurrency_key="k")
+    for _ in range(2):
+        _lost_with_its_worker(engine, run.id)
+        assert engine.recover() == [run.id]
+    _lost_with_its_worker(engine, run.id)
+    scheduler.scheduled.clear()
+    assert engine.recover() == []
+    assert engine.idle(5)
+    failed = engine.get_run(run.id)
+    assert failed.status is RunStatus.FAILED and failed.error is not None
+    assert failed.error.code == "internal_error"
+    assert "lost with its worker 3 times in a row at step 0" in failed.error.message
+    assert failed.claim is None and failed.finished_at is not None
+    assert seen[-1].status is RunStatus.FAILED
+    assert scheduler.scheduled == [behind.id]  # its key's next run goes on
+
+
+def test_a_run_lost_with_its_worker_at_different_steps_is_recovered_each_time(
+    make_any_engine: EngineFactory,
+) -> None:
+    # Only losses in a row at one step count: a run that got on between them (a
+    # long run, its workers killed by deploys) is not failed for them.
+    agents = [Agent("a", ScriptedModel([text("ok")]))]
+    engine = make_any_engine(agents, scheduler=ManualScheduler(), max_crashes=2)
+    run = engine.dispatch("a", trigger({}), schedule=False)
+    for _ in range(3):
+        claimed = _lost_with_its_worker(engine, run.id)
+        guard = Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
+        step = NewStep(kind="tool", name="t", started_at=utcnow(), finished_at=utcnow())
+        assert engine.store.commit(claimed.run, guard, Commit(steps=[step])) is not None
+        assert engine.recover() == [run.id]  # lost at steps 1, 2 and 3, once each
+    _lost_with_its_worker(engine, run.id)
+    assert engine.recover() == []  # lost at step 3 again: twice in a row there
+    assert engine.get_run(run.id).status is RunStatus.FAILED
+
+
+def test_max_crashes_none_recovers_a_run_however_often_it_was_lost(
+    make_engine: EngineFactory,
+) -> None:
+    agents = [Agent("a", ScriptedModel([text("ok")]))]
+    engine = make_engine(agents, scheduler=ManualScheduler(), max_crashes=None)
+    run = engine.dispatch("a", trigger({}), schedule=False)
+    for _ in range(5):
+        _lost_with_its_worker(engine, run.id)
+        assert engine.recover() == [run.id]
+    with pytest.raises(ValueError, match="max_crashes must be positive"):
+        make_engine([], max_crashes=0)
 
 
 class _Backlog(ManualScheduler):

@@ -10,7 +10,7 @@ from sqlalchemy.engine import Connection
 
 # Every revision in versions/, oldest first: a new migration adds its id here
 # (a test holds this to Alembic's own history).
-REVISIONS: tuple[str, ...] = ("0001", "0002", "0003")
+REVISIONS: tuple[str, ...] = ("0001", "0002", "0003", "0004")
 HEAD = REVISIONS[-1]
 # Where Alembic records a database's revision (its default).
 VERSION_TABLE = "alembic_version"

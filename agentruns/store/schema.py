@@ -174,6 +174,22 @@ messages = sa.Table(
     sa.Column("body", JSON, nullable=False),
 )
 
+# Executions lost with their worker (its process gone, its claim expired) and
+# recovered, in a row at one step: a run whose step ends the process that runs it
+# (a crash, an out-of-memory kill) would otherwise take down a worker on every
+# recovery, and every run that worker held with it. A table of its own, not
+# columns of the runs: a release before it still running beside it (a rolling
+# deploy) reads runs rows of the shape it knows.
+crashes = sa.Table(
+    "agentruns_crashes",
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    # The run's step count when its execution was lost; a loss at another step
+    # (the run got on meanwhile) starts the count again.
+    sa.Column("at_step", sa.Integer, nullable=False),
+    sa.Column("times", sa.Integer, nullable=False),
+)
+
 effects = sa.Table(
     "agentruns_effects",
     metadata,

@@ -23,6 +23,7 @@ from agentruns.migrations import HEAD, REVISIONS, current_revision
 from agentruns.runs import (
     Checkpoint,
     Run,
+    RunError,
     RunStatus,
     Step,
     utcnow,
@@ -58,6 +59,7 @@ log = logging.getLogger("agentruns")
 R = schema.runs
 S = schema.steps
 E = schema.effects
+C = schema.crashes
 
 # The status of a run found by its id: as an expression the status index cannot
 # serve, so the id's unique index always finds the row. (psycopg prepares repeated
@@ -527,8 +529,11 @@ class SqlStore:
                 for r in conn.execute(query)
             ]
 
-    def requeue(self, ref: RunRef) -> Run | None:
-        """Put a run back to queued if it is still exactly as swept (so one sweeper wins)."""
+    def requeue(self, ref: RunRef, max_crashes: int | None = None) -> Run | None:
+        """Put a run back to queued if it is still exactly as swept (so one sweeper wins).
+
+        A running one's execution was lost with its worker: that is counted, and the
+        loss that makes ``max_crashes`` in a row at one step fails the run instead."""
         stmt = R.update().where(
             R.c.id == ref.id, _status_of_one == ref.status.value, R.c.epoch == ref.epoch
         )
@@ -546,7 +551,46 @@ class SqlStore:
         )
         with self.engine.begin() as conn:
             row = conn.execute(stmt.returning(*R.c)).mappings().first()
+            if row is not None and ref.status is RunStatus.RUNNING:
+                times = self._count_crash(conn, ref.id, row["step_count"])
+                if max_crashes is not None and times >= max_crashes:
+                    row = self._fail_crashing(conn, row["key"], times, row["step_count"])
         return run_from_row(row) if row is not None else None
+
+    def _count_crash(self, conn: Connection, run_id: str, at_step: int) -> int:
+        """Count an execution of the run lost at ``at_step``; how many in a row there."""
+        insert = self._insert(C).values(run_id=run_id, at_step=at_step, times=1)
+        insert = insert.on_conflict_do_update(
+            index_elements=[C.c.run_id],
+            set_={
+                "times": sa.case((C.c.at_step == insert.excluded.at_step, C.c.times + 1), else_=1),
+                "at_step": insert.excluded.at_step,
+            },
+        )
+        return int(conn.execute(insert.returning(C.c.times)).scalar_one())
+
+    def _fail_crashing(self, conn: Connection, key: int, times: int, at_step: int) -> RowMapping:
+        """Fail a run just requeued whose executions were lost ``times`` in a row."""
+        error = RunError(
+            code="internal_error",
+            message=(
+                f"its execution was lost with its worker {times} times in a row at step"
+                f" {at_step} (a tool or model call that ends the process, such as a"
+                " crash or an out-of-memory kill?): not tried again"
+            ),
+        )
+        now = utcnow()
+        fail = (
+            R.update()
+            .where(R.c.key == key)
+            .values(
+                status=RunStatus.FAILED.value,
+                error=error.model_dump(mode="json"),
+                finished_at=now,
+                updated_at=now,
+            )
+        )
+        return conn.execute(fail.returning(*R.c)).mappings().one()
 
     def next_queued(self, concurrency_key: str) -> str | None:
         """The oldest queued run of the key, by the index of the key's line."""

@@ -8,6 +8,7 @@ in the process where it is set (so the test can kill it at that point).
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -130,6 +131,18 @@ pager_agent = Agent(
 )
 
 
+@tool
+def crash() -> str:
+    """End this process at once, as a segfault or an out-of-memory kill would."""
+    log("crash")
+    os.kill(os.getpid(), signal.SIGKILL)
+    return "never"
+
+
+# Its one tool call kills the worker that makes it, on every recovery.
+crash_agent = Agent("crash", ScriptedModel([tool_use("crash", {}), text("Never.")]), tools=[crash])
+
+
 def _charging(name: str, charger: Tool) -> Agent:
     """An agent whose model makes one charge with ``charger``, then answers."""
     script = [tool_use(charger.name, {"amount": 7}), text("Charged.")]
@@ -145,6 +158,7 @@ approved_ask_agent = _charging("approved_ask", approved_charge_or_ask)
 AGENTS = [
     steps_agent,
     effect_agent,
+    crash_agent,
     unknown_retry_agent,
     unknown_fail_agent,
     unknown_approve_agent,

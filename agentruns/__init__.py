@@ -8,7 +8,6 @@ from agentruns.errors import (
     InvalidTokenError,
     InvalidTriggerError,
     LeaseLostError,
-    NotifierError,
     RunNotFoundError,
     UnknownAgentError,
 )
@@ -43,7 +42,6 @@ __all__ = [
     "LeaseLostError",
     "LocalLeases",
     "LocalScheduler",
-    "NotifierError",
     "RedisLeases",
     "Run",
     "RunContext",

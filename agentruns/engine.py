@@ -137,7 +137,7 @@ class Engine:
             self.register(agent)
         self.events = Events(self.report)
         self._keeper = LeaseKeeper(self.leases, self.store, self.owner, lease_ttl, self.report)
-        self._calls = 0  # executions and dispatch_here calls in progress (see idle)
+        self._calls = 0  # public calls in progress, executions among them (see idle)
         self._local = threading.local()  # executions on this thread's stack
         self._calls_lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(slots)
@@ -584,7 +584,9 @@ class Engine:
             self._approvals.tick()
 
     def recover(self) -> list[str]:
-        """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge was lost."""
+        """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge
+        was lost; fail instead a run lost with its worker ``max_crashes`` times in a
+        row at one step. The ids requeued."""
         now = utcnow()
         requeued: list[str] = []
         with self._calling():

@@ -120,7 +120,6 @@ class Execution:
         self.start = claimed.transcript
         self.signal = threading.Event()
         self.reason: Abort | None = None
-        self.deadline: float | None = None
         self._guard = Guard(status=RunStatus.RUNNING, epoch=self.epoch)
         self._saved = False  # whether this execution committed a write
         self._step_started = utcnow()

@@ -1,4 +1,4 @@
-"""Checks that a transcript is one the provider will accept, and finds the step in progress."""
+"""Checks that a transcript is one the provider will accept."""
 
 from __future__ import annotations
 

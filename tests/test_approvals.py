@@ -16,7 +16,6 @@ from agentruns import (
     Agent,
     Engine,
     InvalidTokenError,
-    NotifierError,
     Run,
     RunStatus,
     ToolContext,
@@ -25,6 +24,7 @@ from agentruns import (
     tokens,
     tool,
 )
+from agentruns.errors import NotifierError
 from agentruns.events import Event
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler

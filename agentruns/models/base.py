@@ -44,8 +44,9 @@ class ModelRequest:
 class ModelResponse:
     """One assistant turn in Anthropic form.
 
-    ``content`` holds ``text`` and ``tool_use`` blocks; ``stop_reason`` is the
-    provider's (``end_turn``, ``tool_use``, ``max_tokens``, ...).
+    ``content`` holds ``text`` and ``tool_use`` blocks, and any other block the
+    provider returned (thinking, a server tool's), kept as it came to be sent back;
+    ``stop_reason`` is the provider's (``end_turn``, ``tool_use``, ``max_tokens``, ...).
     """
 
     content: list[dict[str, Any]]

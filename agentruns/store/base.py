@@ -192,8 +192,9 @@ class RunHead:
 
 
 class Writes(Protocol):
-    """The writes every run makes, as a store's backend performs them; rows are the
-    run table's columns (``claim`` adds the stored ``messages``)."""
+    """The writes every run makes, as a store's backend performs them. ``create`` and
+    ``claim`` return the run table's columns (``claim`` adds the stored ``messages``);
+    ``commit`` only those a write can change (``postgres.WRITE_RETURNS``)."""
 
     def create(
         self, new: NewRun, now: datetime, claim: tuple[str, datetime] | None = None
@@ -209,6 +210,18 @@ class Writes(Protocol):
 
 
 class Store(Protocol):
+    """Runs, steps and messages as the engine reads and writes them (``SqlStore``).
+
+    Some rules live here rather than in the engine because they must hold in the
+    same transaction as the write they guard: every write of a running run names
+    its status and epoch (a miss is ``None``, never a partial write); a cancel
+    requested while a run runs wins over its final answer; a claim takes a run only
+    in its concurrency key's turn and its thread's line; ``requeue`` fails a run
+    lost with its worker ``max_crashes`` times in a row at one step. A write the
+    store cannot keep (too large for one statement, text that is not UTF-8, JSON
+    nested too deep) raises ``ValueError``, ``TypeError`` or ``RecursionError`` and
+    stores nothing."""
+
     def check_schema(self) -> None: ...
     def create_run(self, new: NewRun) -> tuple[Run, bool]: ...
     def create_claimed(self, new: NewRun, owner: str, expires_at: datetime) -> Claimed | None: ...

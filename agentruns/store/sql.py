@@ -1,5 +1,7 @@
-"""SqlStore: the store on Postgres, or SQLite embedded; with ``postgres.py`` and
-``transactions.py`` (its hot-path writes), the only code that talks to the database."""
+"""SqlStore: the store on Postgres, or SQLite embedded, and the engine's only way to
+the database. The package's other modules are its parts: the hot-path writes
+(``postgres.py``, ``transactions.py``), connections (``connect.py``, ``held.py``),
+the tables (``schema.py``) and the read of a thread's history (``history.py``)."""
 
 from __future__ import annotations
 

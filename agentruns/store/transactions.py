@@ -1,4 +1,5 @@
-"""The writes every run makes, as SQLAlchemy transactions: the SQLite side of the hot path.
+"""The writes every run makes, as SQLAlchemy transactions: the SQLite side of the hot path;
+and the query fragments of a concurrency key's line, which both databases use.
 
 The same three operations as ``store/postgres.py``'s ``Statements`` (create a run,
 claim it, apply a guarded write) and the same results, in portable SQL: a

@@ -18,15 +18,12 @@ from typing import Any
 
 import redis
 import sqlalchemy.exc
-from pydantic import ValidationError
 
+from agentruns import intake
 from agentruns.agent import Agent
 from agentruns.approvals import Approvals
 from agentruns.errors import (
-    InvalidTriggerError,
     LeaseLostError,
-    RunNotFoundError,
-    UnknownAgentError,
     exception_text,
     stops_the_task,
 )
@@ -45,7 +42,6 @@ from agentruns.runs import (
     Step,
     TriggerEnvelope,
     is_storable_key,
-    is_utf8,
     utcnow,
 )
 from agentruns.schedulers.base import Scheduler
@@ -60,7 +56,6 @@ from agentruns.store.base import (
     RunRef,
     Store,
 )
-from agentruns.store.schema import KEY_LENGTH, THREAD_KEY
 from agentruns.store.sql import SqlStore
 
 log = logging.getLogger("agentruns")
@@ -189,7 +184,9 @@ class Engine:
 
         ``schedule=False`` leaves the scheduling to the caller.
         """
-        new = self._new_run(agent, trigger, idempotency_key, concurrency_key, thread, budget)
+        new = intake.new_run(
+            self._agents, agent, trigger, idempotency_key, concurrency_key, thread, budget
+        )
         with self._calling():
             run = self._store_queued(new)
             if schedule and run.status is RunStatus.QUEUED:
@@ -204,7 +201,7 @@ class Engine:
             if created:
                 self.events.run_updated(run)
         if not created:
-            _warn_if_another(run, new)
+            intake.warn_if_another(run, new)
         return run
 
     def dispatch_here(
@@ -227,7 +224,9 @@ class Engine:
         key is busy, this engine is draining or cannot reach Redis) is for the
         caller to schedule.
         """
-        new = self._new_run(agent, trigger, idempotency_key, concurrency_key, thread, budget)
+        new = intake.new_run(
+            self._agents, agent, trigger, idempotency_key, concurrency_key, thread, budget
+        )
         with self._calling():
             return self._dispatch_here(new)
 
@@ -271,72 +270,13 @@ class Engine:
             return None
         return claimed, leased
 
-    def _new_run(
-        self,
-        agent: str | Agent,
-        trigger: TriggerEnvelope | dict[str, Any],
-        idempotency_key: str | None,
-        concurrency_key: str | None,
-        thread: str | None,
-        budget: Budget | dict[str, Any] | None,
-    ) -> NewRun:
-        """The run a dispatch stores, or the error its input gets (storing nothing)."""
-        name = agent.name if isinstance(agent, Agent) else agent
-        found = self._agents.get(name)
-        if found is None:
-            raise UnknownAgentError(name)
-        envelope = _envelope(trigger)
-        if concurrency_key is None:
-            # The agent's key is checked as one given to dispatch is: "" refused too.
-            concurrency_key = found.key_for(envelope)
-        for what, text in (
-            ("idempotency_key", idempotency_key),
-            ("concurrency_key", concurrency_key),
-            ("thread", thread),
-        ):
-            if text is not None and not (isinstance(text, str) and is_utf8(text)):
-                raise InvalidTriggerError(f"{what} must be UTF-8 text, not {text!r}")
-        thread = thread if thread is not None else envelope.thread
-        for what, text in (
-            ("idempotency_key", idempotency_key if idempotency_key is not None else envelope.id),
-            ("concurrency_key", concurrency_key),
-            ("thread", thread),
-        ):
-            if text == "":  # an unset variable, likely: it would make every run one
-                raise InvalidTriggerError(f"{what} must not be empty (leave it out for none)")
-        if concurrency_key is None and thread is not None:
-            concurrency_key = f"{THREAD_KEY}{thread}"
-        if idempotency_key is None:
-            idempotency_key = envelope.id
-        for what, text, room in (
-            # A thread's name is also its runs' concurrency key, after "thread:".
-            ("thread", thread, KEY_LENGTH - len(THREAD_KEY)),
-            ("idempotency_key", idempotency_key, KEY_LENGTH),
-            ("concurrency_key", concurrency_key, KEY_LENGTH),
-        ):
-            if text is not None and len(text) > room:
-                raise InvalidTriggerError(
-                    f"{what} is {len(text)} characters long; at most {room} fit"
-                )
-            if text is not None and "\x00" in text:
-                raise InvalidTriggerError(f"{what} must not hold a NUL character: {text!r}")
-        return NewRun(
-            id=str(uuid.uuid4()),
-            agent=name,
-            trigger=envelope,
-            idempotency_key=idempotency_key,
-            concurrency_key=concurrency_key,
-            thread=thread,
-            budget=_limits(found.budget, budget),
-        )
-
     # -- executing -------------------------------------------------------------------
 
     def execute(self, run_id: str) -> Run:
         """One execution of a queued run; does nothing if another engine has it."""
         # No read first: the claim is the check (a run that is not queued, or not
         # there, costs a lease round trip and a claim that matches nothing).
-        run_id = _run_id(run_id)
+        run_id = intake.run_id(run_id)
         with self._calling(new_work=False):
             # One called from inside an execution (a listener's, a tool's) runs on that
             # execution's thread and slot: waiting for a slot of its own could wait for
@@ -558,12 +498,12 @@ class Engine:
 
     def approval_token(self, run_id: str) -> str:
         """Mint the current resume token of a waiting run again (for an operator)."""
-        return self._approvals.token(self.store.get_run(_run_id(run_id)))
+        return self._approvals.token(self.store.get_run(intake.run_id(run_id)))
 
     # -- control -------------------------------------------------------------------------------
 
     def cancel(self, run_id: str) -> Run:
-        run_id = _run_id(run_id)
+        run_id = intake.run_id(run_id)
         with self._calling():
             with self.events.writing(run_id):
                 run = self.store.request_cancel(run_id)
@@ -707,75 +647,21 @@ class Engine:
     # -- reads ----------------------------------------------------------------------------------
 
     def get_run(self, run_id: str) -> Run:
-        return self.store.get_run(_run_id(run_id))
+        return self.store.get_run(intake.run_id(run_id))
 
     def list_runs(
         self, status: RunStatus | str | None = None, agent: str | None = None, limit: int = 100
     ) -> list[Run]:
-        if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
-            raise ValueError(f"limit must be a whole number from 1 to {MAX_LIMIT}, not {limit!r}")
+        intake.limit(limit)
         if agent is not None and not is_storable_key(agent):
             return []  # no agent can have such a name
         return self.store.list_runs(RunStatus(status) if status else None, agent, limit)
 
     def steps(self, run_id: str) -> list[Step]:
-        return self.store.steps(_run_id(run_id))
+        return self.store.steps(intake.run_id(run_id))
 
     def checkpoint(self, run_id: str) -> Checkpoint | None:
-        return self.store.checkpoint(_run_id(run_id))
+        return self.store.checkpoint(intake.run_id(run_id))
 
     def on(self, event: EventType, listener: Listener) -> Callable[[], None]:
         return self.events.on(event, listener)
-
-
-def _limits(agent: Budget, budget: Budget | dict[str, Any] | None) -> Budget | None:
-    """A run's own budget: the agent's, with the limits a dispatch names replaced."""
-    if budget is None:
-        return None
-    try:
-        given = Budget.model_validate(budget)
-    except ValidationError as exc:
-        raise InvalidTriggerError(f"invalid budget: {exc}") from None
-    return agent.model_copy(update=given.model_dump(exclude_unset=True))
-
-
-def _envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelope:
-    if isinstance(trigger, TriggerEnvelope):
-        # Validated again: its fields may have been changed (or never checked) since.
-        trigger = trigger.model_dump()
-    if not isinstance(trigger, dict):
-        raise InvalidTriggerError("a trigger is a TriggerEnvelope or a dict of its fields")
-    try:
-        return TriggerEnvelope.model_validate(trigger)
-    except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'trigger'}: {e['msg']}" for e in exc.errors()
-        )
-        raise InvalidTriggerError(f"invalid trigger: {problems}") from None
-
-
-# The most runs one read returns (SQLite and Postgres both take it as a LIMIT).
-MAX_LIMIT = 1_000_000_000
-
-
-def _warn_if_another(run: Run, new: NewRun) -> None:
-    """A dispatch whose idempotency key names a run of another agent, or of another
-    payload, returns that run (SPEC): said, since one trigger sent to two agents
-    under its own id as the key starts only the first."""
-    payload = new.trigger.model_dump(mode="json")["payload"]  # as stored: a tuple is a list
-    if run.agent != new.agent or run.trigger.payload != payload:
-        what = f"agent {run.agent!r}" if run.agent != new.agent else "another payload"
-        log.warning(
-            "idempotency key %r already names run %s, of %s: this dispatch returns it and"
-            " stores nothing (give each agent's dispatch of a trigger its own key)",
-            new.idempotency_key,
-            run.id,
-            what,
-        )
-
-
-def _run_id(run_id: str) -> str:
-    """``run_id``, or RunNotFoundError for what cannot be any run's id."""
-    if not isinstance(run_id, str) or not is_storable_key(run_id):
-        raise RunNotFoundError(str(run_id))
-    return run_id

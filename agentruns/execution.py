@@ -18,7 +18,6 @@ stored messages stay append-only and the transcript stays valid.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import threading
 import uuid
@@ -28,7 +27,7 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
-from agentruns import transcript
+from agentruns import replies, transcript
 from agentruns.agent import Agent, RunContext
 from agentruns.errors import (
     FatalToolError,
@@ -46,13 +45,10 @@ from agentruns.runs import (
     RunStatus,
     Usage,
     WaitPoint,
-    is_storable_key,
-    json_problem,
     storable_text,
     utcnow,
 )
 from agentruns.store.base import Claimed, Commit, Committed, Guard, NewStep, Store
-from agentruns.store.schema import MOST_TOKENS, TOOL_CALL_ID_LENGTH
 from agentruns.toolcalls import EffectOutcomeUnknown, Outcome, ToolCaller, Wait
 from agentruns.tools import StateHolder, Tool
 from agentruns.tools import state_tools as make_state_tools
@@ -313,15 +309,17 @@ class Execution:
             self._fail_model(exception_text(exc))
         if self.reason is Abort.LEASE_LOST:
             raise LeaseLostError(self.run.id)
-        problem = _malformed(response) or _uncountable(self.run.usage, _usage_of(response))
+        problem = replies.malformed(response) or replies.uncountable(
+            self.run.usage, replies.usage_of(response)
+        )
         if problem:
-            self._fail_model(f"malformed model reply: {problem}", _usage_of(response))
-        return _without_blank_text(response)
+            self._fail_model(f"malformed model reply: {problem}", replies.usage_of(response))
+        return replies.without_blank_text(response)
 
     def _fail_model(self, message: str, usage: Usage | None = None) -> None:
         """Fail the run with ``model_error``; the tokens of a refused reply still count,
         unless they are what is wrong with it."""
-        if _uncountable(self.run.usage, usage):
+        if replies.uncountable(self.run.usage, usage):
             usage = None
         error = RunError(code="model_error", message=message)
         self._settle(RunStatus.FAILED, error=error, usage=usage)
@@ -700,90 +698,3 @@ def _llm_output(response: ModelResponse, calls: list[dict[str, Any]]) -> dict[st
     if calls:
         output["tool_calls"] = [{"id": c["id"], "name": c["name"]} for c in calls]
     return output
-
-
-def _usage_of(response: ModelResponse) -> Usage | None:
-    return response.usage if isinstance(response.usage, Usage) else None
-
-
-def _uncountable(spent: Usage, usage: Usage | None) -> str | None:
-    """Why a reply's token counts cannot be added to the run's: a count below zero,
-    or a total past what the store's counters hold."""
-    if usage is None:
-        return None
-    for (kind, count), (_, total) in zip(usage, spent + usage, strict=True):
-        if count < 0 or total > MOST_TOKENS:
-            return f"it counts {count} {kind}"
-    return None
-
-
-def _blank(block: dict[str, Any]) -> bool:
-    # The Messages API refuses a text block of whitespace in a request.
-    return block["type"] == "text" and not block["text"].strip()
-
-
-def _without_blank_text(response: ModelResponse) -> ModelResponse:
-    """The reply as it can be sent back to the provider: blank text blocks left out
-    (a model may answer a tool call with an empty text block before it)."""
-    if not any(_blank(block) for block in response.content):
-        return response
-    content = [block for block in response.content if not _blank(block)]
-    return dataclasses.replace(response, content=content)
-
-
-def _malformed(response: ModelResponse) -> str | None:
-    if not isinstance(response.content, list):
-        return "content is not a list of blocks"
-    for what, said in (("model name", response.model), ("stop_reason", response.stop_reason)):
-        if isinstance(said, str) and not is_storable_key(said):
-            return f"its {what} holds a NUL character or is not UTF-8: {said[:200]!r}"
-    seen: set[str] = set()
-    # As a trigger's payload is: no NaN (Postgres refuses it, SQLite took it), nothing
-    # nested deeper than a read of its step or wait point can return. The reply is
-    # checked whole (every step has one); only one that fails is searched for where.
-    storable = json_problem(response.content) is None
-    for block in response.content:
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            return f"not a content block: {block!r}"
-        for key, value in () if storable else block.items():
-            problem = json_problem(value)
-            if problem is not None:
-                return f"it cannot be stored (the {key} of a {block['type']} block: {problem})"
-        if block["type"] == "text" and not isinstance(block.get("text"), str):
-            return "a text block has no text"
-        if block["type"] == "tool_use":
-            problem = _malformed_call(block, seen)
-            if problem is not None:
-                return problem
-    if all(_blank(block) for block in response.content):
-        # Stored, it would make the transcript one the provider refuses once anything
-        # follows it (the next run of a thread, say).
-        return f"the reply has no content (stop_reason={response.stop_reason})"
-    if all(_blank(b) or b["type"] in _THINKING for b in response.content):
-        # The run would complete with no answer as its output.
-        return f"the reply holds no answer, only thinking (stop_reason={response.stop_reason})"
-    return None
-
-
-def _malformed_call(block: dict[str, Any], seen: set[str]) -> str | None:
-    """What is wrong with a tool_use block, given the ids of the reply's calls before it."""
-    if not isinstance(block.get("id"), str) or not block["id"]:
-        return "a tool_use block has no id"
-    # An effect tool's record is keyed by it: every store must hold it as it is.
-    if len(block["id"]) > TOOL_CALL_ID_LENGTH:
-        return f"a tool_use id is longer than {TOOL_CALL_ID_LENGTH} characters"
-    if not is_storable_key(block["id"]):
-        return f"a tool_use id holds a NUL character or is not UTF-8: {block['id']!r}"
-    if block["id"] in seen:
-        return f"tool_use id {block['id']} is repeated"
-    seen.add(block["id"])
-    if not isinstance(block.get("name"), str) or not block["name"]:
-        return "a tool_use block has no name"
-    if "\x00" in block["name"]:
-        return "a tool_use name holds a NUL character"
-    if not isinstance(block.get("input"), dict):
-        return f"the input of tool_use {block['id']} is not an object"
-    return None
-
-
-_THINKING = frozenset({"thinking", "redacted_thinking"})

@@ -8,7 +8,7 @@ import sys
 from typing import NoReturn
 
 from agentruns.cli import commands
-from agentruns.engine import MAX_LIMIT
+from agentruns.intake import MAX_LIMIT
 from agentruns.runs import RunStatus
 
 

@@ -1,0 +1,137 @@
+"""What a caller hands the engine, checked before anything is stored or read: the
+run a dispatch stores, a run's id, how many runs a read may return."""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+from pydantic import ValidationError
+
+from agentruns.agent import Agent
+from agentruns.errors import InvalidTriggerError, RunNotFoundError, UnknownAgentError
+from agentruns.runs import Budget, Run, TriggerEnvelope, is_storable_key, is_utf8
+from agentruns.store.base import NewRun
+from agentruns.store.schema import KEY_LENGTH, THREAD_KEY
+
+log = logging.getLogger("agentruns")
+
+# The most runs one read returns (SQLite and Postgres both take it as a LIMIT).
+MAX_LIMIT = 1_000_000_000
+
+
+def new_run(
+    agents: Mapping[str, Agent],
+    agent: str | Agent,
+    trigger: TriggerEnvelope | dict[str, Any],
+    idempotency_key: str | None,
+    concurrency_key: str | None,
+    thread: str | None,
+    budget: Budget | dict[str, Any] | None,
+) -> NewRun:
+    """The run a dispatch of ``agent`` (one of ``agents``) stores, or the error its
+    input gets (storing nothing)."""
+    name = agent.name if isinstance(agent, Agent) else agent
+    found = agents.get(name)
+    if found is None:
+        raise UnknownAgentError(name)
+    envelope = _envelope(trigger)
+    if concurrency_key is None:
+        # The agent's key is checked as one given to dispatch is: "" refused too.
+        concurrency_key = found.key_for(envelope)
+    for what, text in (
+        ("idempotency_key", idempotency_key),
+        ("concurrency_key", concurrency_key),
+        ("thread", thread),
+    ):
+        if text is not None and not (isinstance(text, str) and is_utf8(text)):
+            raise InvalidTriggerError(f"{what} must be UTF-8 text, not {text!r}")
+    thread = thread if thread is not None else envelope.thread
+    for what, text in (
+        ("idempotency_key", idempotency_key if idempotency_key is not None else envelope.id),
+        ("concurrency_key", concurrency_key),
+        ("thread", thread),
+    ):
+        if text == "":  # an unset variable, likely: it would make every run one
+            raise InvalidTriggerError(f"{what} must not be empty (leave it out for none)")
+    if concurrency_key is None and thread is not None:
+        concurrency_key = f"{THREAD_KEY}{thread}"
+    if idempotency_key is None:
+        idempotency_key = envelope.id
+    for what, text, room in (
+        # A thread's name is also its runs' concurrency key, after "thread:".
+        ("thread", thread, KEY_LENGTH - len(THREAD_KEY)),
+        ("idempotency_key", idempotency_key, KEY_LENGTH),
+        ("concurrency_key", concurrency_key, KEY_LENGTH),
+    ):
+        if text is not None and len(text) > room:
+            raise InvalidTriggerError(f"{what} is {len(text)} characters long; at most {room} fit")
+        if text is not None and "\x00" in text:
+            raise InvalidTriggerError(f"{what} must not hold a NUL character: {text!r}")
+    return NewRun(
+        id=str(uuid.uuid4()),
+        agent=name,
+        trigger=envelope,
+        idempotency_key=idempotency_key,
+        concurrency_key=concurrency_key,
+        thread=thread,
+        budget=_limits(found.budget, budget),
+    )
+
+
+def _limits(agent: Budget, budget: Budget | dict[str, Any] | None) -> Budget | None:
+    """A run's own budget: the agent's, with the limits a dispatch names replaced."""
+    if budget is None:
+        return None
+    try:
+        given = Budget.model_validate(budget)
+    except ValidationError as exc:
+        raise InvalidTriggerError(f"invalid budget: {exc}") from None
+    return agent.model_copy(update=given.model_dump(exclude_unset=True))
+
+
+def _envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelope:
+    if isinstance(trigger, TriggerEnvelope):
+        # Validated again: its fields may have been changed (or never checked) since.
+        trigger = trigger.model_dump()
+    if not isinstance(trigger, dict):
+        raise InvalidTriggerError("a trigger is a TriggerEnvelope or a dict of its fields")
+    try:
+        return TriggerEnvelope.model_validate(trigger)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'trigger'}: {e['msg']}" for e in exc.errors()
+        )
+        raise InvalidTriggerError(f"invalid trigger: {problems}") from None
+
+
+def warn_if_another(run: Run, new: NewRun) -> None:
+    """A dispatch whose idempotency key names a run of another agent, or of another
+    payload, returns that run (SPEC): said, since one trigger sent to two agents
+    under its own id as the key starts only the first."""
+    payload = new.trigger.model_dump(mode="json")["payload"]  # as stored: a tuple is a list
+    if run.agent != new.agent or run.trigger.payload != payload:
+        what = f"agent {run.agent!r}" if run.agent != new.agent else "another payload"
+        log.warning(
+            "idempotency key %r already names run %s, of %s: this dispatch returns it and"
+            " stores nothing (give each agent's dispatch of a trigger its own key)",
+            new.idempotency_key,
+            run.id,
+            what,
+        )
+
+
+def run_id(run_id: str) -> str:
+    """``run_id``, or RunNotFoundError for what cannot be any run's id."""
+    if not isinstance(run_id, str) or not is_storable_key(run_id):
+        raise RunNotFoundError(str(run_id))
+    return run_id
+
+
+def limit(limit: int) -> int:
+    """``limit``, or ValueError if it is not a whole number of runs a read may return."""
+    if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= MAX_LIMIT:
+        raise ValueError(f"limit must be a whole number from 1 to {MAX_LIMIT}, not {limit!r}")
+    return limit

@@ -247,7 +247,8 @@ def test_cancel_cancels_a_waiting_run_and_leaves_a_final_one(cli: Cli) -> None:
     run_id, token = cli.waiting_run()
     assert cli.json("cancel", run_id)["run"]["status"] == "cancelled"
     code, out, _ = cli("cancel", run_id)
-    assert code == 0 and "cancelled" in out
+    # Unchanged, and said so: "run … cancelled" alone read as if this cancel had acted.
+    assert code == 0 and "it was already cancelled: a final run stays as it is" in out
     assert "stale" in cli.fails(2, "approve", token)
 
 

@@ -109,12 +109,15 @@ def cmd_answer(session: Session, args: argparse.Namespace) -> int:
 
 def cmd_cancel(session: Session, args: argparse.Namespace) -> int:
     engine = session.engine()
-    engine.get_run(args.run)
+    before = engine.get_run(args.run)
     run = engine.cancel(args.run)
     session.raise_reported()
     session.json({"run": render.run_json(run)})
     session.say(render.run_line(run))
-    if run.status is RunStatus.RUNNING:
+    if before.status.is_final:
+        # Said, or a second cancel (or one of a completed run) reads as if it had acted.
+        session.say(f"it was already {before.status.value}: a final run stays as it is")
+    elif run.status is RunStatus.RUNNING:
         session.say("cancel requested: the execution holding it stops within about a second")
     return 0
 

@@ -207,9 +207,10 @@ def celery_queue() -> Iterator[str]:
         forget_queue(name)
 
 
-def forget_queue(name: str) -> None:
-    """Remove a queue's keys, and its messages a killed worker left unacked."""
-    client = redis.Redis.from_url(REDIS_URL)
+def forget_queue(name: str, redis_url: str = REDIS_URL) -> None:
+    """Remove a queue's keys, and its messages a killed worker left unacked, from the
+    benchmark's Redis or ``redis_url`` (the tests')."""
+    client = redis.Redis.from_url(redis_url)
     try:
         patterns = (f"{name}*", f"_kombu.binding.{name}*", f"_kombu.binding_permanent.{name}*")
         keys = [key for pattern in patterns for key in client.scan_iter(pattern)]

@@ -47,7 +47,7 @@ def _clients_made_by(transport: str | None, monkeypatch: pytest.MonkeyPatch) -> 
         finally:
             simple.clear()
             simple.close()
-            forget_queue(queue)  # and its bindings, which close() leaves in Redis
+            forget_queue(queue, REDIS_URL)  # and its bindings, which close() leaves in Redis
     return made
 
 
@@ -110,7 +110,7 @@ def queue() -> Iterator[str]:
         yield name
     finally:
         app.conf.update(before)
-        forget_queue(name)
+        forget_queue(name, REDIS_URL)
 
 
 class RoundTrips:
@@ -381,7 +381,7 @@ def test_forgetting_a_queue_leaves_none_of_its_keys(queue: str) -> None:
     client = redis.Redis.from_url(REDIS_URL)
     try:
         assert any(queue in key.decode() for key in client.scan_iter(f"*{queue}*"))
-        forget_queue(queue)
+        forget_queue(queue, REDIS_URL)
         assert list(client.scan_iter(f"*{queue}*")) == []
     finally:
         client.close()

@@ -57,7 +57,7 @@ def queue() -> Iterator[str]:
     """A queue of this session's own; its keys (and messages left unacked) go at the end."""
     name = f"agentruns-test-{uuid.uuid4().hex[:10]}"
     yield name
-    forget_queue(name)
+    forget_queue(name, REDIS_URL)
 
 
 @pytest.fixture(scope="session")
@@ -921,7 +921,7 @@ def test_a_teams_own_app_on_message_protocol_1_refuses_to_send_agentruns_tasks(
         assert len(_sent_messages(f"{queue}.team-retry")) == 1
     finally:
         held.pop_request()
-        forget_queue(f"{queue}.team-retry")
+        forget_queue(f"{queue}.team-retry", REDIS_URL)
     team.conf.task_default_queue = f"{queue}.team"
     team = Celery("team", broker=REDIS_URL, amqp="agentruns.celery:AMQP", set_as_current=False)
     team.conf.update(task_protocol=1, task_default_queue=f"{queue}.team")
@@ -931,7 +931,7 @@ def test_a_teams_own_app_on_message_protocol_1_refuses_to_send_agentruns_tasks(
         assert message["headers"]["task"] == "agentruns.dispatch"  # protocol 2's header
         assert "<payload>" in message["headers"]["argsrepr"]
     finally:
-        forget_queue(f"{queue}.team")
+        forget_queue(f"{queue}.team", REDIS_URL)
 
 
 class TaskEvents:
@@ -1056,7 +1056,7 @@ def test_a_celeryconfig_on_message_protocol_1_still_hides_payloads_and_tokens(
         assert resumed["headers"]["argsrepr"] == "(<resume token>, True)"
         assert "task" not in theirs["headers"]  # protocol 1
     finally:
-        forget_queue(sent_to)
+        forget_queue(sent_to, REDIS_URL)
 
 
 def test_what_a_worker_lists_of_its_held_tasks_shows_no_payload_and_no_token(

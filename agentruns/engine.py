@@ -14,7 +14,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, Unpack, overload
 
 import redis
 import sqlalchemy.exc
@@ -27,7 +27,7 @@ from agentruns.errors import (
     exception_text,
     stops_the_task,
 )
-from agentruns.events import Events, EventType, Listener
+from agentruns.events import Events, EventType, Listener, RunUpdated, StepAppended
 from agentruns.execution import Abort, Execution
 from agentruns.keeper import LeaseKeeper
 from agentruns.leases.base import Leases
@@ -57,6 +57,9 @@ from agentruns.store.base import (
     Store,
 )
 from agentruns.store.sql import SqlStore
+
+if TYPE_CHECKING:
+    from agentruns.wiring import EngineOptions
 
 log = logging.getLogger("agentruns")
 
@@ -161,7 +164,7 @@ class Engine:
         return dict(self._agents)
 
     @classmethod
-    def from_settings(cls, **overrides: Any) -> Engine:
+    def from_settings(cls, **overrides: Unpack[EngineOptions]) -> Engine:
         """An engine built from ``AGENTRUNS_*`` settings (see ``agentruns.settings``)."""
         from agentruns.wiring import engine_from_settings
 
@@ -663,5 +666,16 @@ class Engine:
     def checkpoint(self, run_id: str) -> Checkpoint | None:
         return self.store.checkpoint(intake.run_id(run_id))
 
-    def on(self, event: EventType, listener: Listener) -> Callable[[], None]:
+    @overload
+    def on(
+        self, event: Literal["run.updated"], listener: Callable[[RunUpdated], None]
+    ) -> Callable[[], None]: ...
+    @overload
+    def on(
+        self, event: Literal["step.appended"], listener: Callable[[StepAppended], None]
+    ) -> Callable[[], None]: ...
+    @overload
+    def on(self, event: EventType, listener: Listener) -> Callable[[], None]: ...
+    def on(self, event: EventType, listener: Callable[[Any], None]) -> Callable[[], None]:
+        """Call ``listener`` with each ``event`` after its write commits; the unsubscribe."""
         return self.events.on(event, listener)

@@ -8,7 +8,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol
 
 from agentruns.errors import stops_the_task
 from agentruns.runs import Run, Step
@@ -27,6 +27,26 @@ class Event:
 
 
 Listener = Callable[[Event], None]
+
+
+class RunUpdated(Protocol):
+    """A ``run.updated`` event as its listeners may rely on it (for type checkers:
+    an ``Event`` whose ``run`` is set)."""
+
+    @property
+    def type(self) -> Literal["run.updated"]: ...
+    @property
+    def run(self) -> Run: ...
+
+
+class StepAppended(Protocol):
+    """A ``step.appended`` event as its listeners may rely on it (an ``Event`` whose
+    ``step`` is set)."""
+
+    @property
+    def type(self) -> Literal["step.appended"]: ...
+    @property
+    def step(self) -> Step: ...
 
 
 def _wanted(listener: Listener) -> bool:

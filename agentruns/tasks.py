@@ -21,7 +21,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any, Concatenate, ParamSpec, Protocol, TypeVar
 
 from celery import Task
 from celery.exceptions import ImproperlyConfigured, Reject
@@ -37,7 +37,8 @@ from agentruns.worker import get_engine, shutting_down  # and a worker's signal 
 
 log = logging.getLogger("agentruns")
 
-F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R", covariant=True)
 
 # Expected errors: reported as the task's failure, logged without a traceback, never retried.
 _EXPECTED = (AgentrunsError,)
@@ -211,14 +212,41 @@ def _shown(name: str, value: Any) -> Any:
     return value
 
 
-def _task(name: str) -> Callable[[F], Any]:
-    """``app.task`` with the options every agentruns task shares (typed for mypy).
+class Sent(Protocol):
+    """What sending a task returns (Celery's ``AsyncResult``), as far as agentruns
+    types it: the message's id."""
+
+    @property
+    def id(self) -> str: ...
+
+
+class AgentrunsTask(Protocol[P, R]):
+    """One of agentruns' Celery tasks as a type checker sees it: called in this
+    process, or sent with ``delay`` (the arguments checked as the function's) or
+    ``apply_async``. Celery's other task attributes are there too, untyped."""
+
+    name: str
+
+    def __call__(self, *args: P.args, **kwargs: P.kwargs) -> R: ...
+    def delay(self, *args: P.args, **kwargs: P.kwargs) -> Sent: ...
+    def apply_async(
+        self,
+        args: tuple[Any, ...] | list[Any] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> Sent: ...
+    def __getattr__(self, name: str) -> Any: ...
+
+
+def _task(name: str) -> Callable[[Callable[Concatenate[Any, P], R]], AgentrunsTask[P, R]]:
+    """``app.task`` with the options every agentruns task shares (typed for mypy: the
+    task without its bound ``self``).
 
     The delivery options are the task's own, not read from the app's settings: a
     team's own Celery app that includes ``agentruns.tasks`` keeps Celery's defaults
     (acks early, a result per task), and a message its worker lost mid-task would be
     a lost run (``defaults`` says why each is what it is)."""
-    decorator: Callable[[F], Any] = app.task(
+    decorator: Callable[[Callable[Concatenate[Any, P], R]], AgentrunsTask[P, R]] = app.task(
         name=name,
         base=_Task,
         bind=True,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from agentruns.agent import Agent
 from agentruns.errors import AgentrunsError
@@ -13,6 +14,26 @@ from agentruns.settings import Settings, get_settings
 
 if TYPE_CHECKING:
     from agentruns.engine import Engine
+    from agentruns.leases.base import Leases
+    from agentruns.schedulers.base import Scheduler
+    from agentruns.store.base import Store
+
+
+class EngineOptions(TypedDict, total=False):
+    """``Engine``'s keyword arguments, which ``Engine.from_settings`` takes over the
+    settings' (so a type checker knows them: a misspelt one is an error)."""
+
+    store: Store | str
+    leases: Leases | None
+    scheduler: Scheduler | None
+    agents: Sequence[Agent]
+    secret: str | None
+    owner: str | None
+    slots: int
+    lease_ttl: float
+    requeue_after: float
+    on_error: Callable[[Exception], None] | None
+    max_crashes: int | None
 
 
 def load_agents(modules: list[str]) -> list[Agent]:
@@ -39,7 +60,9 @@ def load_agents(modules: list[str]) -> list[Agent]:
     return [agent for agent, _ in found.values()]
 
 
-def engine_from_settings(settings: Settings | None = None, **overrides: Any) -> Engine:
+def engine_from_settings(
+    settings: Settings | None = None, **overrides: Unpack[EngineOptions]
+) -> Engine:
     from agentruns.engine import Engine
     from agentruns.leases import LocalLeases, RedisLeases
     from agentruns.schedulers import CeleryScheduler, LocalScheduler
@@ -54,7 +77,7 @@ def engine_from_settings(settings: Settings | None = None, **overrides: Any) -> 
             " worker's Redis broker), every process needs the same secret to sign and check"
             " resume tokens"
         )
-    kwargs: dict[str, Any] = {
+    kwargs: EngineOptions = {
         "store": SqlStore(s.database_url, pool_size=s.database_pool_size),
         "agents": load_agents(s.agent_modules),
         "secret": s.secret,

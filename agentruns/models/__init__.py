@@ -31,10 +31,14 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    # The anthropic SDK is imported only when AnthropicModel is asked for.
-    if name == "AnthropicModel":
-        from agentruns.models.anthropic import AnthropicModel
+if not TYPE_CHECKING:
+    # Hidden from type checkers, which know AnthropicModel from the import above: to
+    # them a module __getattr__ would make every misspelt name here an Any.
 
-        return AnthropicModel
-    raise AttributeError(name)
+    def __getattr__(name: str) -> Any:
+        # The anthropic SDK is imported only when AnthropicModel is asked for.
+        if name == "AnthropicModel":
+            from agentruns.models.anthropic import AnthropicModel
+
+            return AnthropicModel
+        raise AttributeError(name)

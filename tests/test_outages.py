@@ -232,89 +232,10 @@ def test_postgres_going_away_aborts_the_execution_and_recover_finishes_the_run(
         direct.close()
 
 
-def test_a_create_whose_reply_was_lost_returns_the_run_it_stored(
-    db_url: str, proxy: Proxy, errors: Errors
-) -> None:
-    # A create is sent again when its connection was gone. The first try had
-    # committed: a run with an idempotency key found it taken, but one without (no
-    # trigger id: allowed) met its own id, and the dispatch raised IntegrityError
-    # although its run was stored.
-    engine = _through_proxy(db_url, proxy, errors)
-    try:
-        engine.dispatch("a", trigger({"n": 0}))  # prepares the statement on a connection
-        for fields in ({}, {"id": "evt-1"}):
-            proxy.lose_reply_to(b"agentruns_create")
-            run = engine.dispatch("a", trigger({"n": 1}, **fields))
-            assert run.status is RunStatus.QUEUED
-            assert engine.store.get_run(run.id) == run
-        assert len(engine.list_runs()) == 3
-        assert engine.execute(run.id).status is RunStatus.COMPLETED
-    finally:
-        engine.close()
-
-
-def test_a_claim_whose_connection_breaks_before_the_server_has_it_is_sent_again(
-    db_url: str, proxy: Proxy, errors: Errors
-) -> None:
-    # The claim met a connection that broke in flight: the execution raised, and its
-    # run waited for recover(). A claim is sent once more on a new connection.
-    engine = _through_proxy(db_url, proxy, errors)
-    try:
-        run = engine.dispatch("a", trigger({}))
-        proxy.hold()  # the claim waits in the proxy and never reaches the server
-        breaks = threading.Timer(0.3, lambda: (proxy.cut(), proxy.restore()))
-        breaks.start()
-        assert engine.execute(run.id).status is RunStatus.COMPLETED
-        breaks.join()
-        assert errors == []
-    finally:
-        engine.close()
-
-
-def test_a_claim_whose_reply_was_lost_executes_its_run(
-    db_url: str, proxy: Proxy, errors: Errors
-) -> None:
-    # The claim committed and its reply was lost. Sent again, it found the run no
-    # longer queued: the run stayed running, claimed by this engine but executed by
-    # none, until its claim expired and recover() took it.
-    engine = _through_proxy(db_url, proxy, errors)
-    try:
-        engine.execute(engine.dispatch("a", trigger({"n": 0})).id)  # prepares the claim
-        run = engine.dispatch("a", trigger({"n": 1}))
-        proxy.lose_reply_to(b"agentruns_claim")
-        done = engine.execute(run.id)
-        assert done.status is RunStatus.COMPLETED, done
-        assert errors == []
-    finally:
-        engine.close()
-
-
-def test_a_claimed_create_whose_reply_was_lost_executes_its_run(
-    db_url: str, proxy: Proxy, errors: Errors
-) -> None:
-    # A run a worker stores already claimed, whose create committed and whose reply
-    # was lost: sent again, the create found the run's key (or id) taken and the run
-    # went the way of a duplicate, left running until its claim expired.
-    engine = _through_proxy(db_url, proxy, errors)
-    try:
-        engine.dispatch_here("a", trigger({"n": 0}))  # prepares the statement
-        for fields in ({}, {"id": "evt-1"}):
-            proxy.lose_reply_to(b"agentruns_create")
-            run = engine.dispatch_here("a", trigger({"n": 1}, **fields))
-            assert run.status is RunStatus.COMPLETED, run
-            assert [s.kind for s in engine.steps(run.id)] == ["llm"]
-        assert len(engine.list_runs()) == 3
-        # A key another run holds is still that run's: it is not taken for this one's.
-        again = engine.dispatch_here("a", trigger({"n": 2}, id="evt-1"))
-        assert again.id == run.id
-        assert errors == []
-    finally:
-        engine.close()
-
-
-def _through_proxy(db_url: str, proxy: Proxy, errors: Errors) -> Engine:
+@pytest.fixture
+def through_proxy(db_url: str, proxy: Proxy, errors: Errors) -> Iterator[Engine]:
     """An engine through the proxy that runs its runs in this thread, when told to."""
-    return Engine(
+    engine = Engine(
         SqlStore(db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")),
         leases=LocalLeases(),
         scheduler=ManualScheduler(),
@@ -322,6 +243,76 @@ def _through_proxy(db_url: str, proxy: Proxy, errors: Errors) -> Engine:
         secret="s",
         on_error=errors.append,
     )
+    yield engine
+    engine.close()
+
+
+def test_a_create_whose_reply_was_lost_returns_the_run_it_stored(
+    through_proxy: Engine, proxy: Proxy
+) -> None:
+    # A create is sent again when its connection was gone. The first try had
+    # committed: a run with an idempotency key found it taken, but one without (no
+    # trigger id: allowed) met its own id, and the dispatch raised IntegrityError
+    # although its run was stored.
+    engine = through_proxy
+    engine.dispatch("a", trigger({"n": 0}))  # prepares the statement on a connection
+    for fields in ({}, {"id": "evt-1"}):
+        proxy.lose_reply_to(b"agentruns_create")
+        run = engine.dispatch("a", trigger({"n": 1}, **fields))
+        assert run.status is RunStatus.QUEUED
+        assert engine.store.get_run(run.id) == run
+    assert len(engine.list_runs()) == 3
+    assert engine.execute(run.id).status is RunStatus.COMPLETED
+
+
+def test_a_claim_whose_connection_breaks_before_the_server_has_it_is_sent_again(
+    through_proxy: Engine, proxy: Proxy, errors: Errors
+) -> None:
+    # The claim met a connection that broke in flight: the execution raised, and its
+    # run waited for recover(). A claim is sent once more on a new connection.
+    engine = through_proxy
+    run = engine.dispatch("a", trigger({}))
+    proxy.hold()  # the claim waits in the proxy and never reaches the server
+    breaks = threading.Timer(0.3, lambda: (proxy.cut(), proxy.restore()))
+    breaks.start()
+    assert engine.execute(run.id).status is RunStatus.COMPLETED
+    breaks.join()
+    assert errors == []
+
+
+def test_a_claim_whose_reply_was_lost_executes_its_run(
+    through_proxy: Engine, proxy: Proxy, errors: Errors
+) -> None:
+    # The claim committed and its reply was lost. Sent again, it found the run no
+    # longer queued: the run stayed running, claimed by this engine but executed by
+    # none, until its claim expired and recover() took it.
+    engine = through_proxy
+    engine.execute(engine.dispatch("a", trigger({"n": 0})).id)  # prepares the claim
+    run = engine.dispatch("a", trigger({"n": 1}))
+    proxy.lose_reply_to(b"agentruns_claim")
+    done = engine.execute(run.id)
+    assert done.status is RunStatus.COMPLETED, done
+    assert errors == []
+
+
+def test_a_claimed_create_whose_reply_was_lost_executes_its_run(
+    through_proxy: Engine, proxy: Proxy, errors: Errors
+) -> None:
+    # A run a worker stores already claimed, whose create committed and whose reply
+    # was lost: sent again, the create found the run's key (or id) taken and the run
+    # went the way of a duplicate, left running until its claim expired.
+    engine = through_proxy
+    engine.dispatch_here("a", trigger({"n": 0}))  # prepares the statement
+    for fields in ({}, {"id": "evt-1"}):
+        proxy.lose_reply_to(b"agentruns_create")
+        run = engine.dispatch_here("a", trigger({"n": 1}, **fields))
+        assert run.status is RunStatus.COMPLETED, run
+        assert [s.kind for s in engine.steps(run.id)] == ["llm"]
+    assert len(engine.list_runs()) == 3
+    # A key another run holds is still that run's: it is not taken for this one's.
+    again = engine.dispatch_here("a", trigger({"n": 2}, id="evt-1"))
+    assert again.id == run.id
+    assert errors == []
 
 
 def test_an_effects_result_is_recorded_across_a_dropped_connection_and_not_repeated(

@@ -2,56 +2,32 @@
 
 from __future__ import annotations
 
-import contextlib
-import email.utils
 import inspect
 import json
 import logging
 import random
-import socket
 import threading
-import time
-import urllib.parse
 from typing import Any
 
 import anthropic
-import httpx2
 import tenacity
 from anthropic.resources.messages import Messages
 from anthropic.types import Message
 
 from agentruns.errors import stops_the_task
+from agentruns.models.anthropic import failures
+from agentruns.models.anthropic.stream import CUT_OFF, CutInput, stream_once
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
 from agentruns.runs import Usage
 
 log = logging.getLogger(__name__)
 
 EPHEMERAL: dict[str, Any] = {"type": "ephemeral"}
-MAX_RETRY_AFTER_S = 60.0  # a longer retry-after is waited out only this long per try
 MAX_PAUSE_TURNS = 10
 MAX_CACHE_MARKS = 4  # cache_control blocks the API takes in one request
-_POLL_S = 0.02  # how often the caller looks at the abort signal while a stream runs
-_TRANSIENT_STATUS = frozenset({408, 409, 429})
-_TRANSIENT_STREAM_ERRORS = frozenset(
-    {"overloaded_error", "api_error", "rate_limit_error", "timeout_error"}
-)
 _RESERVED = frozenset({"model", "max_tokens", "messages", "system", "stream"})
 _STREAM_PARAMS = frozenset(inspect.signature(Messages.stream).parameters) - {"self"}
 _UNCACHEABLE = frozenset({"thinking", "redacted_thinking"})
-_CUT_OFF = frozenset({"max_tokens", "model_context_window_exceeded"})
-
-
-class _IncompleteStream(Exception):
-    """The stream ended before ``message_stop``: the connection dropped; worth a retry."""
-
-
-class _CutInput(Exception):
-    """A complete reply whose tool call input is not whole JSON (the SDK reads a cut
-    one leniently, so a call could run with part of its arguments)."""
-
-    def __init__(self, message: Message, name: str) -> None:
-        super().__init__(f"the input of the model's call to {name!r} is not complete JSON")
-        self.message = message
 
 
 class AnthropicModel:
@@ -218,29 +194,29 @@ class AnthropicModel:
 
         retrying = tenacity.Retrying(
             stop=tenacity.stop_after_attempt(self._max_retries + 1),
-            retry=tenacity.retry_if_exception(_is_transient),
+            retry=tenacity.retry_if_exception(failures.is_transient),
             wait=self._wait,
             sleep=sleep,
-            before_sleep=_log_retry,
+            before_sleep=failures.log_retry,
             reraise=True,
         )
         try:
-            return retrying(_stream_once, client, params, signal)
+            return retrying(stream_once, client, params, signal)
         except ModelAborted:
             raise
-        except _CutInput as exc:
+        except CutInput as exc:
             raise ModelError(f"malformed model reply: {exc}", _usage(exc.message)) from exc
         except Exception as exc:
             if stops_the_task(exc):  # a worker's time limit: not the API's error
                 raise
-            tries = 1 + self._max_retries if _is_transient(exc) else 1
-            raise ModelError(_describe(exc, self._model, client, tries)) from exc
+            tries = 1 + self._max_retries if failures.is_transient(exc) else 1
+            raise ModelError(failures.describe(exc, self._model, client, tries)) from exc
 
     def _wait(self, state: tenacity.RetryCallState) -> float:
         exc = state.outcome.exception() if state.outcome is not None else None
-        retry_after = _retry_after(exc) if exc is not None else None
+        retry_after = failures.retry_after(exc) if exc is not None else None
         if retry_after is not None and retry_after > 0:
-            return min(retry_after, MAX_RETRY_AFTER_S)
+            return min(retry_after, failures.MAX_RETRY_AFTER_S)
         # None, zero or a date gone by: the usual backoff, as the SDK's own retries do.
         delay = min(self._retry_cap_s, self._retry_base_s * 2 ** (state.attempt_number - 1))
         return random.uniform(delay / 2, delay)
@@ -257,13 +233,13 @@ class AnthropicModel:
                 "the model refused to answer (stop_reason=refusal)" + (f": {said}" if said else ""),
                 usage,
             )
-        if stop in _CUT_OFF and any(b["type"] == "tool_use" for b in content):
+        if stop in CUT_OFF and any(b["type"] == "tool_use" for b in content):
             raise ModelError(
                 f"the model's response was cut off (stop_reason={stop}) in the middle of a"
                 f" tool call; raise max_tokens (now {self._max_tokens}) or shorten the transcript",
                 usage,
             )
-        if stop in _CUT_OFF and not any(b["type"] == "text" and b["text"].strip() for b in content):
+        if stop in CUT_OFF and not any(b["type"] == "text" and b["text"].strip() for b in content):
             # Thinking took every token: there is no answer to take as the run's output.
             raise ModelError(
                 f"the model's response was cut off (stop_reason={stop}) before it answered;"
@@ -271,202 +247,6 @@ class AnthropicModel:
                 usage,
             )
         return ModelResponse(content=content, stop_reason=stop, usage=usage, model=message.model)
-
-
-class _Stream:
-    """One streamed request on a helper thread that the caller can abandon."""
-
-    def __init__(self) -> None:
-        self.done = threading.Event()
-        self.message: Message | None = None
-        self.error: BaseException | None = None
-        self.inputs: dict[int, list[str]] = {}  # each tool call's input JSON, as sent
-        self._lock = threading.Lock()
-        self._response: httpx2.Response | None = None
-        self._aborted = False
-
-    def run(self, client: anthropic.Anthropic, params: dict[str, Any]) -> None:
-        try:
-            with client.messages.stream(**params) as stream:
-                with self._lock:
-                    if self._aborted:
-                        return
-                    self._response = stream.response
-                try:
-                    stopped = False
-                    for event in stream:
-                        if self._aborted:
-                            return
-                        stopped = stopped or event.type == "message_stop"
-                        if (
-                            event.type == "content_block_delta"
-                            and event.delta.type == "input_json_delta"
-                        ):
-                            self.inputs.setdefault(event.index, []).append(event.delta.partial_json)
-                    if not stopped:
-                        raise _IncompleteStream("the response stream ended before message_stop")
-                    self.message = stream.get_final_message()
-                    self._check_inputs(self.message)
-                except (anthropic.APIConnectionError, httpx2.TransportError) as exc:
-                    # The API was reached and was answering: the stream broke off.
-                    raise _IncompleteStream(str(exc) or type(exc).__name__) from exc
-                finally:
-                    with self._lock:
-                        self._response = None
-        except BaseException as exc:
-            self.error = exc
-        finally:
-            self.done.set()
-
-    def _check_inputs(self, message: Message) -> None:
-        if message.stop_reason in _CUT_OFF:
-            return  # cut off by a limit: the model's own error says which (``_finish``)
-        for index, parts in self.inputs.items():
-            text = "".join(parts)
-            block = message.content[index] if index < len(message.content) else None
-            if not text.strip() or block is None or block.type != "tool_use":
-                continue
-            try:
-                json.loads(text)
-            except ValueError:
-                raise _CutInput(message, block.name) from None
-
-    def abort(self) -> None:
-        with self._lock:
-            self._aborted = True
-            if self._response is not None:
-                _interrupt(self._response)
-
-
-def _stream_once(
-    client: anthropic.Anthropic, params: dict[str, Any], signal: threading.Event
-) -> Message:
-    if signal.is_set():
-        raise ModelAborted("aborted before the model call")
-    attempt = _Stream()
-    helper = threading.Thread(
-        target=attempt.run, args=(client, params), name="anthropic-stream", daemon=True
-    )
-    helper.start()
-    try:
-        while not attempt.done.wait(_POLL_S):
-            if signal.is_set():
-                raise ModelAborted("aborted during the model call")
-    except BaseException:
-        # Aborted, or stopped where it waits (a worker's time limit, a signal): the
-        # request is hung up on, not left streaming (and billed) behind it.
-        attempt.abort()
-        raise
-    if signal.is_set():
-        raise ModelAborted("aborted during the model call")
-    if attempt.error is not None:
-        raise attempt.error
-    assert attempt.message is not None
-    return attempt.message
-
-
-def _interrupt(response: httpx2.Response) -> None:
-    """Make a read blocked on ``response`` return now, from another thread."""
-    network = response.extensions.get("network_stream")
-    sock = network.get_extra_info("socket") if network is not None else None
-    if isinstance(sock, socket.socket):
-        # The base method on purpose: SSLSocket.shutdown also drops its SSL object.
-        with contextlib.suppress(OSError):  # already closed
-            socket.socket.shutdown(sock, socket.SHUT_RDWR)
-        return
-    try:
-        response.close()
-    except Exception:  # the reader may be closing it at the same moment
-        log.debug("closing an aborted stream failed", exc_info=True)
-
-
-# classification and messages
-
-
-def _is_transient(exc: BaseException) -> bool:
-    """Whether the SDK would retry this (its retries are off: ours keep its policy),
-    or it is a stream cut short. As the SDK does, the ``__cause__`` chain counts
-    (a middleware's error raised from a retryable one), and so does the server's
-    ``x-should-retry`` header."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        seen.add(id(current))
-        if isinstance(current, _RETRYABLE):
-            return True
-        if isinstance(current, anthropic.APIStatusError):
-            if current.status_code < 400:  # an error event inside a 200 stream
-                return current.type in _TRANSIENT_STREAM_ERRORS
-            said = current.response.headers.get("x-should-retry")
-            if said in ("true", "false"):
-                return said == "true"
-            return current.status_code in _TRANSIENT_STATUS or current.status_code >= 500
-        if isinstance(current, anthropic.APIConnectionError | httpx2.TransportError):
-            return True
-        current = current.__cause__
-    return False
-
-
-# What a client's middleware raises to ask for a retry, and a stream cut short.
-_RETRYABLE = (anthropic.RetryableError, _IncompleteStream)
-
-
-def _retry_after(exc: BaseException) -> float | None:
-    if not isinstance(exc, anthropic.APIStatusError) or exc.status_code < 400:
-        return None
-    headers = exc.response.headers
-    for name, scale in (("retry-after-ms", 0.001), ("retry-after", 1.0)):
-        value = headers.get(name)
-        if value is None:
-            continue
-        try:
-            return float(value) * scale
-        except ValueError:
-            pass
-        if name == "retry-after" and (date := email.utils.parsedate_tz(value)) is not None:
-            return float(email.utils.mktime_tz(date)) - time.time()
-    return None
-
-
-def _log_retry(state: tenacity.RetryCallState) -> None:
-    exc = state.outcome.exception() if state.outcome is not None else None
-    wait = state.next_action.sleep if state.next_action is not None else 0.0
-    log.warning(
-        "Anthropic call failed (try %d): %s; retrying in %.2fs", state.attempt_number, exc, wait
-    )
-
-
-def _describe(exc: BaseException, model: str, client: anthropic.Anthropic, tries: int) -> str:
-    after = f" after {tries} tries" if tries > 1 else ""
-    if isinstance(exc, anthropic.APIStatusError):
-        detail = exc.api_message or str(exc)
-        where = "in the response stream" if exc.status_code < 400 else f"HTTP {exc.status_code}"
-        hint = {
-            401: "; check ANTHROPIC_API_KEY",
-            403: "; the API key may not have access to this model or feature",
-            404: f"; check the model id {model!r}",
-            413: "; the request is too large, shorten the transcript or tool results",
-        }.get(exc.status_code, "")
-        return f"Anthropic API error{after}: {exc.type or 'error'} ({where}): {detail}{hint}"
-    if isinstance(exc, anthropic.APITimeoutError):
-        return f"the Anthropic API at {_shown(client.base_url)} timed out{after}"
-    if isinstance(exc, anthropic.APIConnectionError | httpx2.TransportError):
-        return f"could not reach the Anthropic API at {_shown(client.base_url)}{after}: {exc}"
-    if isinstance(exc, _IncompleteStream):
-        return f"the Anthropic response stream was cut off{after}: {exc}"
-    hint = "; set ANTHROPIC_API_KEY" if "authentication" in str(exc).lower() else ""
-    return f"the Anthropic call failed: {type(exc).__name__}: {exc}{hint}"
-
-
-def _shown(url: Any) -> str:
-    """A base URL fit for an error message (stored with the run): no user, password
-    or query, where a gateway may keep its credentials."""
-    parts = urllib.parse.urlsplit(str(url))
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{host}:{parts.port}" if parts.port is not None else host
-    return urllib.parse.urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
 # transcript and response shapes

@@ -1,0 +1,143 @@
+"""One streamed Messages API call on a helper thread that the caller can abandon
+(an abort hangs up on the request), and what makes a streamed reply incomplete."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+import threading
+from typing import Any
+
+import anthropic
+import httpx2
+from anthropic.types import Message
+
+from agentruns.models.base import ModelAborted
+
+log = logging.getLogger(__name__)
+
+_POLL_S = 0.02  # how often the caller looks at the abort signal while a stream runs
+# Stop reasons of a reply cut off by a limit: the model's own error says which.
+CUT_OFF = frozenset({"max_tokens", "model_context_window_exceeded"})
+
+
+class IncompleteStream(Exception):
+    """The stream ended before ``message_stop``: the connection dropped; worth a retry."""
+
+
+class CutInput(Exception):
+    """A complete reply whose tool call input is not whole JSON (the SDK reads a cut
+    one leniently, so a call could run with part of its arguments)."""
+
+    def __init__(self, message: Message, name: str) -> None:
+        super().__init__(f"the input of the model's call to {name!r} is not complete JSON")
+        self.message = message
+
+
+class _Stream:
+    """One streamed request on a helper thread that the caller can abandon."""
+
+    def __init__(self) -> None:
+        self.done = threading.Event()
+        self.message: Message | None = None
+        self.error: BaseException | None = None
+        self.inputs: dict[int, list[str]] = {}  # each tool call's input JSON, as sent
+        self._lock = threading.Lock()
+        self._response: httpx2.Response | None = None
+        self._aborted = False
+
+    def run(self, client: anthropic.Anthropic, params: dict[str, Any]) -> None:
+        try:
+            with client.messages.stream(**params) as stream:
+                with self._lock:
+                    if self._aborted:
+                        return
+                    self._response = stream.response
+                try:
+                    stopped = False
+                    for event in stream:
+                        if self._aborted:
+                            return
+                        stopped = stopped or event.type == "message_stop"
+                        if (
+                            event.type == "content_block_delta"
+                            and event.delta.type == "input_json_delta"
+                        ):
+                            self.inputs.setdefault(event.index, []).append(event.delta.partial_json)
+                    if not stopped:
+                        raise IncompleteStream("the response stream ended before message_stop")
+                    self.message = stream.get_final_message()
+                    self._check_inputs(self.message)
+                except (anthropic.APIConnectionError, httpx2.TransportError) as exc:
+                    # The API was reached and was answering: the stream broke off.
+                    raise IncompleteStream(str(exc) or type(exc).__name__) from exc
+                finally:
+                    with self._lock:
+                        self._response = None
+        except BaseException as exc:
+            self.error = exc
+        finally:
+            self.done.set()
+
+    def _check_inputs(self, message: Message) -> None:
+        if message.stop_reason in CUT_OFF:
+            return  # cut off by a limit: the model's own error says which (``_finish``)
+        for index, parts in self.inputs.items():
+            text = "".join(parts)
+            block = message.content[index] if index < len(message.content) else None
+            if not text.strip() or block is None or block.type != "tool_use":
+                continue
+            try:
+                json.loads(text)
+            except ValueError:
+                raise CutInput(message, block.name) from None
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            if self._response is not None:
+                _interrupt(self._response)
+
+
+def stream_once(
+    client: anthropic.Anthropic, params: dict[str, Any], signal: threading.Event
+) -> Message:
+    if signal.is_set():
+        raise ModelAborted("aborted before the model call")
+    attempt = _Stream()
+    helper = threading.Thread(
+        target=attempt.run, args=(client, params), name="anthropic-stream", daemon=True
+    )
+    helper.start()
+    try:
+        while not attempt.done.wait(_POLL_S):
+            if signal.is_set():
+                raise ModelAborted("aborted during the model call")
+    except BaseException:
+        # Aborted, or stopped where it waits (a worker's time limit, a signal): the
+        # request is hung up on, not left streaming (and billed) behind it.
+        attempt.abort()
+        raise
+    if signal.is_set():
+        raise ModelAborted("aborted during the model call")
+    if attempt.error is not None:
+        raise attempt.error
+    assert attempt.message is not None
+    return attempt.message
+
+
+def _interrupt(response: httpx2.Response) -> None:
+    """Make a read blocked on ``response`` return now, from another thread."""
+    network = response.extensions.get("network_stream")
+    sock = network.get_extra_info("socket") if network is not None else None
+    if isinstance(sock, socket.socket):
+        # The base method on purpose: SSLSocket.shutdown also drops its SSL object.
+        with contextlib.suppress(OSError):  # already closed
+            socket.socket.shutdown(sock, socket.SHUT_RDWR)
+        return
+    try:
+        response.close()
+    except Exception:  # the reader may be closing it at the same moment
+        log.debug("closing an aborted stream failed", exc_info=True)

@@ -1,12 +1,13 @@
 """SqlStore: the store on Postgres, or SQLite embedded, and the engine's only way to
 the database. The package's other modules are its parts: the hot-path writes
-(``postgres.py``, ``transactions.py``), connections (``connect.py``, ``held.py``),
-the tables (``schema.py``) and the read of a thread's history (``history.py``)."""
+(``postgres.py``, ``transactions.py``), the effect records (``effects.py``),
+connections (``connect.py``, ``held.py``), the tables (``schema.py``), the query
+fragments both databases share (``queries.py``) and the read of a thread's history
+(``history.py``)."""
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Iterable, Sequence
 from datetime import datetime
 from typing import Any
@@ -45,7 +46,9 @@ from agentruns.store.base import (
     Writes,
 )
 from agentruns.store.connect import READ_ONLY, make_engine, shown_url
+from agentruns.store.effects import Effects
 from agentruns.store.postgres import Statements
+from agentruns.store.queries import claimable, in_line, in_turn, insert, literal, status_of_one
 from agentruns.store.rows import (
     aware,
     new_steps,
@@ -54,7 +57,7 @@ from agentruns.store.rows import (
     run_updated,
     step_from_row,
 )
-from agentruns.store.transactions import Transactions, claimable, in_line, in_turn, literal
+from agentruns.store.transactions import Transactions
 
 log = logging.getLogger("agentruns")
 
@@ -63,17 +66,8 @@ S = schema.steps
 E = schema.effects
 C = schema.crashes
 
-# The status of a run found by its id: as an expression the status index cannot
-# serve, so the id's unique index always finds the row. (psycopg prepares repeated
-# statements; a generic plan could otherwise pick the status index and filter
-# every run of that status.)
-_status_of_one = sa.func.coalesce(R.c.status, "")
-
 
 _NOT_FINAL = [status.value for status in RunStatus if not status.is_final]
-# Between the tries of an effect's result record, and how long they may go on.
-_FINISH_EFFECT_PAUSES_S = (0.0, 0.25, 0.5, 1.0, 2.0)
-_FINISH_EFFECT_TRIES_S = 4.0
 
 
 class SqlStore:
@@ -100,6 +94,7 @@ class SqlStore:
         )
         # Every ``connect()`` block of this module reads, and only reads.
         self._reads = self.engine.execution_options(**{READ_ONLY: True})
+        self._effects = Effects(self._reads, self._atomic)
         self._checked = False
 
     # -- schema ------------------------------------------------------------
@@ -172,7 +167,7 @@ class SqlStore:
             # that committed before its connection went (see Statements.create).
             ours = sa.select(R).where(
                 R.c.id == new.id,
-                _status_of_one == RunStatus.RUNNING.value,
+                status_of_one == RunStatus.RUNNING.value,
                 R.c.claim_owner == owner,
                 R.c.claim_expires_at == expires_at,
             )
@@ -185,13 +180,7 @@ class SqlStore:
         return Claimed(run=run_from_row(row), epoch=row["epoch"], transcript=start)
 
     def _insert(self, table: sa.Table) -> Any:
-        if self.engine.dialect.name == "postgresql":
-            from sqlalchemy.dialects.postgresql import insert as pg_insert
-
-            return pg_insert(table)
-        from sqlalchemy.dialects.sqlite import insert as sqlite_insert
-
-        return sqlite_insert(table)
+        return insert(table, self.engine.dialect.name)
 
     def get_run(self, run_id: str) -> Run:
         with self._reads.connect() as conn:
@@ -311,7 +300,7 @@ class SqlStore:
             )
             update = R.update().where(
                 R.c.id == run_id,
-                _status_of_one == RunStatus.RUNNING.value,
+                status_of_one == RunStatus.RUNNING.value,
                 R.c.epoch == epoch,
                 R.c.message_count == 0,
             )
@@ -367,7 +356,7 @@ class SqlStore:
                 R.update()
                 .where(
                     R.c.id == run_id,
-                    _status_of_one == RunStatus.RUNNING.value,
+                    status_of_one == RunStatus.RUNNING.value,
                     R.c.epoch == epoch,
                 )
                 .values(claim_expires_at=expires_at)
@@ -395,7 +384,7 @@ class SqlStore:
         meanwhile (a running run pausing) is decided by its new status, as Postgres
         re-reads a row it waited for (SQLite has one writer at a time)."""
         now = utcnow()
-        running = _status_of_one == RunStatus.RUNNING.value
+        running = status_of_one == RunStatus.RUNNING.value
 
         def unless_running(stopped: Any, column: sa.Column[Any]) -> Any:
             return sa.case((running, column), else_=stopped)
@@ -404,7 +393,7 @@ class SqlStore:
             row = (
                 conn.execute(
                     R.update()
-                    .where(R.c.id == run_id, _status_of_one.in_(_NOT_FINAL))
+                    .where(R.c.id == run_id, status_of_one.in_(_NOT_FINAL))
                     .values(
                         status=unless_running(RunStatus.CANCELLED.value, R.c.status),
                         cancel_requested=sa.case((running, True), else_=R.c.cancel_requested),
@@ -425,78 +414,17 @@ class SqlStore:
     # -- effect records --------------------------------------------------------
 
     def effects(self, run_id: str) -> dict[str, EffectRecord]:
-        with self._reads.connect() as conn:
-            rows = conn.execute(sa.select(E).where(E.c.run_id == run_id)).mappings()
-            return {
-                r["tool_call_id"]: EffectRecord(
-                    tool_call_id=r["tool_call_id"],
-                    tool_name=r["tool_name"],
-                    idempotency_key=r["idempotency_key"],
-                    done=r["status"] == "done",
-                    result=r["result"],
-                    is_error=r["is_error"],
-                )
-                for r in rows
-            }
-
-    def _fence(self, conn: Connection, run_id: str, epoch: int) -> None:
-        # Locks the run row for the transaction, so a new claim waits for this write.
-        result = conn.execute(
-            R.update()
-            .where(R.c.id == run_id, _status_of_one == RunStatus.RUNNING.value, R.c.epoch == epoch)
-            .values(epoch=R.c.epoch)
-        )
-        if result.rowcount != 1:
-            raise LeaseLostError(run_id)
+        return self._effects.of(run_id)
 
     def begin_effect(
         self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
     ) -> None:
-        """Record the intent to call an effect tool (kept if one is already recorded)."""
-        with self._atomic.begin() as conn:
-            self._fence(conn, run_id, epoch)
-            conn.execute(
-                self._insert(E)
-                .values(
-                    run_id=run_id,
-                    tool_call_id=tool_call_id,
-                    tool_name=tool_name,
-                    idempotency_key=key,
-                    status="started",
-                    started_at=utcnow(),
-                )
-                .on_conflict_do_nothing(index_elements=["run_id", "tool_call_id"])
-            )
+        self._effects.begin(run_id, epoch, tool_call_id, tool_name, key)
 
     def finish_effect(
         self, run_id: str, epoch: int, tool_call_id: str, result: Any, is_error: bool
     ) -> None:
-        """Record an effect tool's result. The one write whose loss repeats a side
-        effect (recovery finds an intent without a result): a connection that died
-        while the tool ran (a restart, a killed backend) is tried again on a new one,
-        for a few seconds. The write is fenced and sets what it sets: safe to repeat."""
-        deadline: float | None = None  # from the first failure on
-        for pause in (*_FINISH_EFFECT_PAUSES_S, None):
-            try:
-                with self._atomic.begin() as conn:
-                    self._fence(conn, run_id, epoch)
-                    conn.execute(
-                        E.update()
-                        .where(E.c.run_id == run_id, E.c.tool_call_id == tool_call_id)
-                        .values(
-                            status="done", result=result, is_error=is_error, finished_at=utcnow()
-                        )
-                    )
-                return
-            except (OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
-                # For a few seconds from the first failure: a silent server (each try
-                # waiting out its timeout) would hold the execution, and its drain, long.
-                if deadline is None:
-                    deadline = time.monotonic() + _FINISH_EFFECT_TRIES_S
-                if pause is None or time.monotonic() + pause > deadline:
-                    raise
-                log.warning("could not record an effect's result (%s); trying again", exc)
-                time.sleep(pause)
+        self._effects.finish(run_id, epoch, tool_call_id, result, is_error)
 
     # -- sweeps ----------------------------------------------------------------
 
@@ -537,7 +465,7 @@ class SqlStore:
         A running one's execution was lost with its worker: that is counted, and the
         loss that makes ``max_crashes`` in a row at one step fails the run instead."""
         stmt = R.update().where(
-            R.c.id == ref.id, _status_of_one == ref.status.value, R.c.epoch == ref.epoch
+            R.c.id == ref.id, status_of_one == ref.status.value, R.c.epoch == ref.epoch
         )
         if ref.status == RunStatus.QUEUED:
             stmt = stmt.where(R.c.updated_at == ref.updated_at)

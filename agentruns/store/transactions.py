@@ -1,5 +1,4 @@
-"""The writes every run makes, as SQLAlchemy transactions: the SQLite side of the hot path;
-and the query fragments of a concurrency key's line, which both databases use.
+"""The writes every run makes, as SQLAlchemy transactions: the SQLite side of the hot path.
 
 The same three operations as ``store/postgres.py``'s ``Statements`` (create a run,
 claim it, apply a guarded write) and the same results, in portable SQL: a
@@ -19,6 +18,7 @@ from sqlalchemy.exc import IntegrityError
 from agentruns.runs import RunStatus
 from agentruns.store import history, schema
 from agentruns.store.base import _UNSET, Commit, Guard, NewRun
+from agentruns.store.queries import in_turn
 
 R = schema.runs
 S = schema.steps
@@ -109,71 +109,6 @@ class Transactions:
 
     def release(self) -> None:
         """Nothing to give back: each write checks its connection out and in again."""
-
-
-def literal(value: str) -> Any:
-    """A value written into the statement, not sent as a parameter: the planner
-    matches a query to a partial index's predicate only by values it sees, and a
-    prepared statement's generic plan sees no parameter's."""
-    return sa.bindparam(None, value, literal_execute=True)
-
-
-def in_line(table: Any) -> Any:
-    """The run holds a place in its concurrency key's line (the line's index predicate)."""
-    return table.c.status.in_([literal(status) for status in schema.LINE])
-
-
-def in_turn() -> Any:
-    """The run is first in its concurrency key's line: no older run ahead of it, and
-    none of its thread waiting on an approval (see claim.sql)."""
-    older = R.alias("older")
-    no_older = ~sa.exists(
-        sa.select(older.c.id).where(
-            older.c.concurrency_key == R.c.concurrency_key,
-            in_line(older),
-            # As a row comparison, the index bounds its scan by it (as an OR, it went
-            # through the key's whole line, for each queued run a sweep looked at).
-            sa.tuple_(older.c.created_at, older.c.id) < sa.tuple_(R.c.created_at, R.c.id),
-        )
-    )
-    held = R.alias("held")
-    not_held = ~sa.exists(
-        sa.select(held.c.id).where(
-            # By the thread's index, its unfinished runs (a waiting run has no finish);
-            # not the status index nor the key's (hence the coalesces), which hold
-            # every waiting run and the key's whole history.
-            held.c.thread == R.c.thread,
-            held.c.finished_at.is_(None),
-            sa.func.coalesce(held.c.status, "") == literal(RunStatus.WAITING.value),
-            sa.func.coalesce(held.c.concurrency_key, "") == R.c.concurrency_key,
-            sa.tuple_(held.c.created_at, held.c.id) < sa.tuple_(R.c.created_at, R.c.id),
-        )
-    )
-    # Only in a thread's own line (its key is the thread's, as dispatch makes it): a
-    # key of the runs' own is a line others share, which one waiting run would hold.
-    own_line = R.c.concurrency_key == literal(schema.THREAD_KEY) + R.c.thread
-    return sa.or_(
-        R.c.concurrency_key.is_(None),
-        sa.and_(no_older, sa.or_(R.c.thread.is_(None), ~own_line, not_held)),
-    )
-
-
-def claimable(run_id: str) -> Any:
-    """A query that finds the run if a claim of it would succeed now: queued, in
-    turn, and no run of its key running (which the unique index would refuse)."""
-    running = R.alias("running")
-    key_free = ~sa.exists(
-        sa.select(running.c.id).where(
-            running.c.concurrency_key == R.c.concurrency_key,
-            running.c.status == literal(RunStatus.RUNNING.value),
-        )
-    )
-    return sa.select(R.c.id).where(
-        R.c.id == run_id,
-        R.c.status == RunStatus.QUEUED.value,
-        in_turn(),
-        sa.or_(R.c.concurrency_key.is_(None), key_free),
-    )
 
 
 def _claim(run_id: str, owner: str, expires_at: datetime, now: datetime) -> Any:

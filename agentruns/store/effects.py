@@ -1,0 +1,111 @@
+"""Effect records (``agentruns_effects``): the intent recorded before an effect tool
+is called, its result after. A recovery that finds an intent without a result
+knows the call may have happened; one that finds the result returns it instead
+of calling again. Both writes are fenced by the run's status and epoch."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+from sqlalchemy.exc import OperationalError
+
+from agentruns.errors import LeaseLostError
+from agentruns.runs import RunStatus, utcnow
+from agentruns.store import schema
+from agentruns.store.base import EffectRecord
+from agentruns.store.queries import insert, status_of_one
+
+log = logging.getLogger("agentruns")
+
+R = schema.runs
+E = schema.effects
+
+# Between the tries of an effect's result record, and how long they may go on.
+_FINISH_EFFECT_PAUSES_S = (0.0, 0.25, 0.5, 1.0, 2.0)
+_FINISH_EFFECT_TRIES_S = 4.0
+
+
+class Effects:
+    """The effect records of a store, read through ``reads`` and written in ``atomic``
+    transactions (the store's engines)."""
+
+    def __init__(self, reads: sa.Engine, atomic: sa.Engine) -> None:
+        self._reads = reads
+        self._atomic = atomic
+
+    def of(self, run_id: str) -> dict[str, EffectRecord]:
+        """The run's effect records, by tool call id."""
+        with self._reads.connect() as conn:
+            rows = conn.execute(sa.select(E).where(E.c.run_id == run_id)).mappings()
+            return {
+                r["tool_call_id"]: EffectRecord(
+                    tool_call_id=r["tool_call_id"],
+                    tool_name=r["tool_name"],
+                    idempotency_key=r["idempotency_key"],
+                    done=r["status"] == "done",
+                    result=r["result"],
+                    is_error=r["is_error"],
+                )
+                for r in rows
+            }
+
+    def _fence(self, conn: Connection, run_id: str, epoch: int) -> None:
+        # Locks the run row for the transaction, so a new claim waits for this write.
+        result = conn.execute(
+            R.update()
+            .where(R.c.id == run_id, status_of_one == RunStatus.RUNNING.value, R.c.epoch == epoch)
+            .values(epoch=R.c.epoch)
+        )
+        if result.rowcount != 1:
+            raise LeaseLostError(run_id)
+
+    def begin(self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str) -> None:
+        """Record the intent to call an effect tool (kept if one is already recorded)."""
+        with self._atomic.begin() as conn:
+            self._fence(conn, run_id, epoch)
+            conn.execute(
+                insert(E, self._atomic.dialect.name)
+                .values(
+                    run_id=run_id,
+                    tool_call_id=tool_call_id,
+                    tool_name=tool_name,
+                    idempotency_key=key,
+                    status="started",
+                    started_at=utcnow(),
+                )
+                .on_conflict_do_nothing(index_elements=["run_id", "tool_call_id"])
+            )
+
+    def finish(
+        self, run_id: str, epoch: int, tool_call_id: str, result: Any, is_error: bool
+    ) -> None:
+        """Record an effect tool's result. The one write whose loss repeats a side
+        effect (recovery finds an intent without a result): a connection that died
+        while the tool ran (a restart, a killed backend) is tried again on a new one,
+        for a few seconds. The write is fenced and sets what it sets: safe to repeat."""
+        deadline: float | None = None  # from the first failure on
+        for pause in (*_FINISH_EFFECT_PAUSES_S, None):
+            try:
+                with self._atomic.begin() as conn:
+                    self._fence(conn, run_id, epoch)
+                    conn.execute(
+                        E.update()
+                        .where(E.c.run_id == run_id, E.c.tool_call_id == tool_call_id)
+                        .values(
+                            status="done", result=result, is_error=is_error, finished_at=utcnow()
+                        )
+                    )
+                return
+            except (OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
+                # For a few seconds from the first failure: a silent server (each try
+                # waiting out its timeout) would hold the execution, and its drain, long.
+                if deadline is None:
+                    deadline = time.monotonic() + _FINISH_EFFECT_TRIES_S
+                if pause is None or time.monotonic() + pause > deadline:
+                    raise
+                log.warning("could not record an effect's result (%s); trying again", exc)
+                time.sleep(pause)

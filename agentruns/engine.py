@@ -4,6 +4,7 @@ approvals is ``approvals.py``'s."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import os
 import secrets
@@ -92,15 +93,12 @@ class Engine:
         lease_ttl: float = 30.0,
         requeue_after: float = 60.0,
         on_error: Callable[[Exception], None] | None = None,
-        max_crashes: int | None = 3,
     ) -> None:
         if slots < 1 or not all(0 < t <= MAX_SECONDS for t in (lease_ttl, requeue_after)):
             raise ValueError(
                 f"slots must be positive, and lease_ttl and requeue_after from 0 to "
                 f"{MAX_SECONDS} seconds (not {lease_ttl!r}, {requeue_after!r})"
             )
-        if max_crashes is not None and max_crashes < 1:
-            raise ValueError(f"max_crashes must be positive, or None (not {max_crashes!r})")
         self.store: Store = SqlStore(store) if isinstance(store, str) else store
         self.store.check_schema()
         self.leases: Leases = leases if leases is not None else LocalLeases()
@@ -126,9 +124,6 @@ class Engine:
         self.slots = slots
         self.lease_ttl = lease_ttl
         self.requeue_after = requeue_after
-        # recover() fails a run whose execution was lost with its worker this many
-        # times in a row at one step, instead of handing it to yet another worker.
-        self.max_crashes = max_crashes
         self._on_error = on_error
         self._agents: dict[str, Agent] = {}
         for agent in agents:
@@ -528,8 +523,9 @@ class Engine:
 
     def recover(self) -> list[str]:
         """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge
-        was lost; fail instead a run lost with its worker ``max_crashes`` times in a
-        row at one step. The ids requeued."""
+        was lost. A run whose executions ended unsettled again and again at one step
+        (a step that kills its worker) waits longer before each requeue. The ids
+        requeued."""
         now = utcnow()
         requeued: list[str] = []
         with self._calling():
@@ -560,18 +556,26 @@ class Engine:
                     return False
             if self.leases.holder(ref.id) is not None:
                 return False
+            if ref.losses and now < (ref.claim_expires_at or ref.updated_at) + timedelta(
+                seconds=held_back(ref.id, ref.losses, self.requeue_after)
+            ):
+                return False  # lost again at the step it was lost at: it waits its turn
         elif ref.status is RunStatus.QUEUED and self.leases.holder(ref.id) is not None:
             return False  # an execution is claiming it right now
         with self.events.writing(ref.id):
-            requeued = self.store.requeue(ref, self.max_crashes)
+            requeued = self.store.requeue(ref)
             if requeued is None:
                 return False
             self.events.run_updated(requeued)
-        if requeued.status is RunStatus.FAILED:  # its step kept ending its workers
-            assert requeued.error is not None
-            log.warning("run %s failed: %s", requeued.id, requeued.error.message)
-            self._after_run(requeued)
-            return False
+        if ref.losses:
+            log.warning(
+                "run %s requeued after its execution ended unsettled %d times in a row at"
+                " step %d (its worker died, or gave it up in an outage). If its step kills"
+                " the worker that runs it, `agentruns cancel` it; each requeue waits longer",
+                ref.id,
+                ref.losses + 1,
+                ref.step,
+            )
         return True
 
     def drain(self, timeout: float | None = None) -> None:
@@ -679,3 +683,21 @@ class Engine:
     def on(self, event: EventType, listener: Callable[[Any], None]) -> Callable[[], None]:
         """Call ``listener`` with each ``event`` after its write commits; the unsubscribe."""
         return self.events.on(event, listener)
+
+
+# The longest a run lost again and again at one step waits before its next requeue.
+MOST_HELD_BACK_S = 3600.0
+
+
+def held_back(run_id: str, losses: int, requeue_after: float) -> float:
+    """How long after its claim expired a run whose executions ended unsettled
+    ``losses`` times in a row at its step waits before its next requeue: doubling
+    from ``requeue_after`` on, at most an hour, and spread by the run (half to one
+    and a half times that). A step that kills its worker would otherwise do so at
+    every sweep, and take every run that worker held with it each time; runs lost
+    beside it in the same deaths are requeued at other moments, so they get on."""
+    if losses < 1:
+        return 0.0
+    digest = hashlib.blake2b(f"{run_id}:{losses}".encode(), digest_size=8).digest()
+    spread = 0.5 + int.from_bytes(digest, "big") / 2**64
+    return float(min(MOST_HELD_BACK_S, requeue_after * 2.0 ** (losses - 1)) * spread)

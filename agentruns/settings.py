@@ -32,9 +32,6 @@ class Settings(BaseSettings):
     requeue_after: float = Field(default=60.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     tick_interval: float = Field(default=5.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     recover_interval: float = Field(default=15.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
-    # recover() fails a run whose execution was lost with its worker this many times
-    # in a row at one step (see Engine).
-    max_crashes: int = Field(default=3, ge=1)
     # The Celery queue: several deployments (or test sessions) can share one Redis.
     queue: str = "agentruns"
 

@@ -33,7 +33,6 @@ class EngineOptions(TypedDict, total=False):
     lease_ttl: float
     requeue_after: float
     on_error: Callable[[Exception], None] | None
-    max_crashes: int | None
 
 
 def load_agents(modules: list[str]) -> list[Agent]:
@@ -84,7 +83,6 @@ def engine_from_settings(
         "slots": s.slots,
         "lease_ttl": s.lease_ttl,
         "requeue_after": s.requeue_after,
-        "max_crashes": s.max_crashes,
     }
     if s.redis_url:
         kwargs["leases"] = RedisLeases(s.redis_url)

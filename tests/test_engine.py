@@ -37,6 +37,7 @@ from agentruns import (
     Usage,
     tool,
 )
+from agentruns.engine import held_back
 from agentruns.errors import InvalidCheckpointError
 from agentruns.events import Event
 from agentruns.models import ScriptedModel, text, tool_use
@@ -1771,47 +1772,52 @@ def test_recover_requeues_a_queued_run_whose_message_was_lost(
 
 
 def _lost_with_its_worker(engine: Engine, run_id: str) -> Claimed:
-    """The run claimed by a worker that died at once: its claim expired, no lease held."""
-    claimed = engine.store.claim(run_id, "dead:1", utcnow() - timedelta(seconds=1))
+    """The run claimed by a worker that died at once: its claim just expired, no lease held."""
+    claimed = engine.store.claim(run_id, "dead:1", utcnow() - timedelta(milliseconds=1))
     assert claimed is not None
     return claimed
 
 
-def test_recover_fails_a_run_whose_execution_was_lost_three_times_at_one_step(
-    make_any_engine: EngineFactory,
+def test_recover_holds_back_a_run_lost_again_and_again_at_one_step_and_fails_none(
+    make_any_engine: EngineFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A step that ended its worker's process (a crash, an out-of-memory kill) did so
-    # on every recovery: the run took down one worker after another, for good, and
+    # on every recovery, each sweep: the run took down one worker after another, and
     # every run those workers held went down with it.
-    scheduler = ManualScheduler()
-    engine = make_any_engine([Agent("a", ScriptedModel([text("ok")]))], scheduler=scheduler)
-    seen: list[Run] = []
-    engine.on("run.updated", lambda event: seen.append(event.run))
-    run = engine.dispatch("a", trigger({}), concurrency_key="k")
-    behind = engine.dispatch("a", trigger({}), concurrency_key="k")
-    for _ in range(2):
-        _lost_with_its_worker(engine, run.id)
-        assert engine.recover() == [run.id]
+    agents = [Agent("a", ScriptedModel([text("ok")]))]
+    engine = make_any_engine(agents, scheduler=ManualScheduler(), requeue_after=0.4)
+    run = engine.dispatch("a", trigger({}), schedule=False)
     _lost_with_its_worker(engine, run.id)
-    scheduler.scheduled.clear()
-    assert engine.recover() == []
-    assert engine.idle(5)
-    failed = engine.get_run(run.id)
-    assert failed.status is RunStatus.FAILED and failed.error is not None
-    assert failed.error.code == "internal_error"
-    assert "lost with its worker 3 times in a row at step 0" in failed.error.message
-    assert failed.claim is None and failed.finished_at is not None
-    assert seen[-1].status is RunStatus.FAILED
-    assert scheduler.scheduled == [behind.id]  # its key's next run goes on
+    assert engine.recover() == [run.id]  # the first loss: at once
+    for losses in (1, 2):
+        _lost_with_its_worker(engine, run.id)
+        since = time.monotonic()
+        assert engine.recover() == []  # lost again at its step: it waits
+        wait_for(lambda: engine.recover() == [run.id], "the requeue", timeout=10)
+        assert time.monotonic() - since >= held_back(run.id, losses, 0.4) - 0.05
+        assert f"ended unsettled {losses + 1} times in a row at step 0" in caplog.text
+    assert engine.get_run(run.id).status is RunStatus.QUEUED
+    assert engine.execute(run.id).status is RunStatus.COMPLETED
 
 
-def test_a_run_lost_with_its_worker_at_different_steps_is_recovered_each_time(
+def test_runs_lost_together_wait_different_times_doubling_up_to_an_hour() -> None:
+    # Runs that died in the same workers as a step that kills them were lost as often
+    # at their steps: requeued at the same moments, they died with it every time.
+    holds = [held_back(f"run-{n}", 2, 60.0) for n in range(50)]
+    assert all(60.0 <= hold < 180.0 for hold in holds)  # 120 s, spread by half
+    assert len(set(holds)) == 50 and max(holds) - min(holds) > 60.0
+    assert held_back("run-1", 2, 60.0) == held_back("run-1", 2, 60.0)  # every sweeper's
+    assert held_back("run-1", 0, 60.0) == 0.0
+    assert 1800.0 <= held_back("run-1", 30, 60.0) < 5400.0  # an hour at most, spread
+
+
+def test_a_run_lost_at_different_steps_is_requeued_at_once_each_time(
     make_any_engine: EngineFactory,
 ) -> None:
     # Only losses in a row at one step count: a run that got on between them (a
-    # long run, its workers killed by deploys) is not failed for them.
+    # long run, its workers killed by deploys) is not held back for them.
     agents = [Agent("a", ScriptedModel([text("ok")]))]
-    engine = make_any_engine(agents, scheduler=ManualScheduler(), max_crashes=2)
+    engine = make_any_engine(agents, scheduler=ManualScheduler(), requeue_after=30.0)
     run = engine.dispatch("a", trigger({}), schedule=False)
     for _ in range(3):
         claimed = _lost_with_its_worker(engine, run.id)
@@ -1820,21 +1826,7 @@ def test_a_run_lost_with_its_worker_at_different_steps_is_recovered_each_time(
         assert engine.store.commit(claimed.run, guard, Commit(steps=[step])) is not None
         assert engine.recover() == [run.id]  # lost at steps 1, 2 and 3, once each
     _lost_with_its_worker(engine, run.id)
-    assert engine.recover() == []  # lost at step 3 again: twice in a row there
-    assert engine.get_run(run.id).status is RunStatus.FAILED
-
-
-def test_max_crashes_none_recovers_a_run_however_often_it_was_lost(
-    make_engine: EngineFactory,
-) -> None:
-    agents = [Agent("a", ScriptedModel([text("ok")]))]
-    engine = make_engine(agents, scheduler=ManualScheduler(), max_crashes=None)
-    run = engine.dispatch("a", trigger({}), schedule=False)
-    for _ in range(5):
-        _lost_with_its_worker(engine, run.id)
-        assert engine.recover() == [run.id]
-    with pytest.raises(ValueError, match="max_crashes must be positive"):
-        make_engine([], max_crashes=0)
+    assert engine.recover() == []  # lost at step 3 again: held back (15-45 s)
 
 
 class _Backlog(ManualScheduler):

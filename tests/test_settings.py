@@ -50,21 +50,6 @@ def test_an_engine_refuses_lease_and_requeue_times_that_are_not_finite(sqlite_ur
             Engine(SqlStore(sqlite_url), leases=LocalLeases(), secret="s", **times)
 
 
-def test_max_crashes_comes_from_the_environment_and_must_be_positive(
-    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv("AGENTRUNS_MAX_CRASHES", "5")
-    engine = engine_from_settings(Settings(database_url=sqlite_url, agents=""), secret="s")
-    assert engine.max_crashes == 5
-    engine.close()
-    engine = Engine(SqlStore(sqlite_url), secret="s")
-    assert engine.max_crashes == 3
-    engine.close()
-    monkeypatch.setenv("AGENTRUNS_MAX_CRASHES", "0")
-    with pytest.raises(ValidationError, match="max_crashes"):
-        Settings()
-
-
 def test_an_engine_built_for_several_processes_needs_their_shared_secret(sqlite_url: str) -> None:
     settings = Settings(database_url=sqlite_url, redis_url=REDIS_URL, agents="")
     with pytest.raises(AgentrunsError, match="AGENTRUNS_SECRET is not set"):

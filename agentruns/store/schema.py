@@ -174,12 +174,13 @@ messages = sa.Table(
     sa.Column("body", JSON, nullable=False),
 )
 
-# Executions lost with their worker (its process gone, its claim expired) and
-# recovered, in a row at one step: a run whose step ends the process that runs it
-# (a crash, an out-of-memory kill) would otherwise take down a worker on every
-# recovery, and every run that worker held with it. A table of its own, not
-# columns of the runs: a release before it still running beside it (a rolling
-# deploy) reads runs rows of the shape it knows.
+# Executions that ended unsettled (their worker died, or gave the run up in an
+# outage) and were recovered, in a row at one step: recover() holds back a run lost
+# again and again at its step (a step that ends the process that runs it, such as
+# a crash or an out-of-memory kill, would take down a worker on every recovery, and
+# every run that worker held with it). A table of its own, not columns of the runs:
+# a release before it still running beside it (a rolling deploy) reads runs rows
+# of the shape it knows.
 crashes = sa.Table(
     "agentruns_crashes",
     metadata,

@@ -26,7 +26,6 @@ from agentruns.migrations import HEAD, REVISIONS, current_revision
 from agentruns.runs import (
     Checkpoint,
     Run,
-    RunError,
     RunStatus,
     Step,
     utcnow,
@@ -433,7 +432,17 @@ class SqlStore:
         that are first in their key's line (the others wait for the run ahead of them
         to finish, which schedules the next: a long line is not requeued, nor sent an
         execution that can claim nothing, on every sweep)."""
-        query = sa.select(R.c.id, R.c.status, R.c.epoch, R.c.updated_at, R.c.claim_expires_at)
+        # With the losses counted at the run's step (none, for most runs).
+        lost = sa.and_(C.c.run_id == R.c.id, C.c.at_step == R.c.step_count)
+        query = sa.select(
+            R.c.id,
+            R.c.status,
+            R.c.epoch,
+            R.c.updated_at,
+            R.c.claim_expires_at,
+            R.c.step_count,
+            sa.func.coalesce(C.c.times, 0).label("losses"),
+        ).select_from(R.outerjoin(C, lost))
         # The statuses in literals: a generic plan of parameters scanned the table.
         query = query.where(
             sa.or_(
@@ -455,15 +464,17 @@ class SqlStore:
                     epoch=r.epoch,
                     updated_at=aware(r.updated_at) or utcnow(),
                     claim_expires_at=aware(r.claim_expires_at),
+                    step=r.step_count,
+                    losses=r.losses,
                 )
                 for r in conn.execute(query)
             ]
 
-    def requeue(self, ref: RunRef, max_crashes: int | None = None) -> Run | None:
+    def requeue(self, ref: RunRef) -> Run | None:
         """Put a run back to queued if it is still exactly as swept (so one sweeper wins).
 
-        A running one's execution was lost with its worker: that is counted, and the
-        loss that makes ``max_crashes`` in a row at one step fails the run instead."""
+        A running one's execution ended unsettled (its worker died, or gave it up in an
+        outage): that is counted, by the run's step (``RunRef.losses``)."""
         stmt = R.update().where(
             R.c.id == ref.id, status_of_one == ref.status.value, R.c.epoch == ref.epoch
         )
@@ -482,45 +493,24 @@ class SqlStore:
         with self.engine.begin() as conn:
             row = conn.execute(stmt.returning(*R.c)).mappings().first()
             if row is not None and ref.status is RunStatus.RUNNING:
-                times = self._count_crash(conn, ref.id, row["step_count"])
-                if max_crashes is not None and times >= max_crashes:
-                    row = self._fail_crashing(conn, row["key"], times, row["step_count"])
+                self._count_loss(conn, ref.id, row["step_count"])
         return run_from_row(row) if row is not None else None
 
-    def _count_crash(self, conn: Connection, run_id: str, at_step: int) -> int:
-        """Count an execution of the run lost at ``at_step``; how many in a row there."""
+    def _count_loss(self, conn: Connection, run_id: str, at_step: int) -> None:
+        """Count an execution of the run that ended unsettled at ``at_step``: one more
+        in a row there, or the first at a step the run got to since."""
         insert = self._insert(C).values(run_id=run_id, at_step=at_step, times=1)
-        insert = insert.on_conflict_do_update(
-            index_elements=[C.c.run_id],
-            set_={
-                "times": sa.case((C.c.at_step == insert.excluded.at_step, C.c.times + 1), else_=1),
-                "at_step": insert.excluded.at_step,
-            },
-        )
-        return int(conn.execute(insert.returning(C.c.times)).scalar_one())
-
-    def _fail_crashing(self, conn: Connection, key: int, times: int, at_step: int) -> RowMapping:
-        """Fail a run just requeued whose executions were lost ``times`` in a row."""
-        error = RunError(
-            code="internal_error",
-            message=(
-                f"its execution was lost with its worker {times} times in a row at step"
-                f" {at_step} (a tool or model call that ends the process, such as a"
-                " crash or an out-of-memory kill?): not tried again"
-            ),
-        )
-        now = utcnow()
-        fail = (
-            R.update()
-            .where(R.c.key == key)
-            .values(
-                status=RunStatus.FAILED.value,
-                error=error.model_dump(mode="json"),
-                finished_at=now,
-                updated_at=now,
+        conn.execute(
+            insert.on_conflict_do_update(
+                index_elements=[C.c.run_id],
+                set_={
+                    "times": sa.case(
+                        (C.c.at_step == insert.excluded.at_step, C.c.times + 1), else_=1
+                    ),
+                    "at_step": insert.excluded.at_step,
+                },
             )
         )
-        return conn.execute(fail.returning(*R.c)).mappings().one()
 
     def next_queued(self, concurrency_key: str) -> str | None:
         """The oldest queued run of the key, by the index of the key's line."""

@@ -1,6 +1,6 @@
-"""Executions lost with their worker are counted, per run and step: a run whose step
-ends the process that runs it fails after a few, instead of taking down a worker on
-every recovery.
+"""Executions that ended unsettled are counted, per run and step: recover() holds a
+run lost again and again at its step back longer each time, instead of handing a
+step that kills its worker to another worker on every sweep.
 
 A table of its own, so workers of the release before keep working beside it (their
 statements read the runs table as it was).

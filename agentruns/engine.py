@@ -412,8 +412,18 @@ class Engine:
                 with contextlib.suppress(Exception):
                     run = self._fail(run, claimed.epoch, error)
         finally:
+            if run.status is RunStatus.RUNNING:  # left to recover(), by a live process
+                self._give_up(run_id, claimed.epoch)
             self._release_lease(run_id)
         return run
+
+    def _give_up(self, run_id: str, epoch: int) -> None:
+        """Note that this process let its claim of the run go (an outage, a lost lease,
+        a shutdown): recover() does not count it as a loss of the run's step."""
+        try:
+            self.leases.give_up(run_id, epoch, _GIVEN_UP_S)
+        except Exception as exc:
+            self.report(exc)  # the loss is counted: at worst the run waits a little
 
     def _after_run(self, run: Run) -> None:
         """What follows an execution, once its slot is free for another: announcing
@@ -523,9 +533,9 @@ class Engine:
 
     def recover(self) -> list[str]:
         """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge
-        was lost. A run whose executions ended unsettled again and again at one step
-        (a step that kills its worker) waits longer before each requeue. The ids
-        requeued."""
+        was lost. A run whose executions were lost with their workers again and again
+        at one step (a step that kills its worker) waits longer before each requeue.
+        The ids requeued."""
         now = utcnow()
         requeued: list[str] = []
         with self._calling():
@@ -556,22 +566,26 @@ class Engine:
                     return False
             if self.leases.holder(ref.id) is not None:
                 return False
-            if ref.losses and now < (ref.claim_expires_at or ref.updated_at) + timedelta(
-                seconds=held_back(ref.id, ref.losses, self.requeue_after)
-            ):
-                return False  # lost again at the step it was lost at: it waits its turn
+            # Its execution ended with its process (a live one notes what it gives up).
+            lost = not self.leases.given_up(ref.id, ref.epoch)
+            if lost and ref.losses:
+                wait = timedelta(seconds=held_back(ref.id, ref.losses, self.requeue_after))
+                if now < (ref.claim_expires_at or ref.updated_at) + wait:
+                    return False  # lost again at the step it was lost at: it waits its turn
         elif ref.status is RunStatus.QUEUED and self.leases.holder(ref.id) is not None:
             return False  # an execution is claiming it right now
+        else:
+            lost = False
         with self.events.writing(ref.id):
-            requeued = self.store.requeue(ref)
+            requeued = self.store.requeue(ref, count_loss=lost)
             if requeued is None:
                 return False
             self.events.run_updated(requeued)
-        if ref.losses:
+        if lost and ref.losses:
             log.warning(
-                "run %s requeued after its execution ended unsettled %d times in a row at"
-                " step %d (its worker died, or gave it up in an outage). If its step kills"
-                " the worker that runs it, `agentruns cancel` it; each requeue waits longer",
+                "run %s requeued after its execution was lost with its worker %d times in a"
+                " row at step %d. If its step kills the worker that runs it, `agentruns"
+                " cancel` it; each requeue waits longer",
                 ref.id,
                 ref.losses + 1,
                 ref.step,
@@ -687,11 +701,13 @@ class Engine:
 
 # The longest a run lost again and again at one step waits before its next requeue.
 MOST_HELD_BACK_S = 3600.0
+# How long the note that a live process gave a run's claim up is kept for recover().
+_GIVEN_UP_S = 3600.0
 
 
 def held_back(run_id: str, losses: int, requeue_after: float) -> float:
-    """How long after its claim expired a run whose executions ended unsettled
-    ``losses`` times in a row at its step waits before its next requeue: doubling
+    """How long after its claim expired a run whose executions were lost with their
+    workers ``losses`` times in a row at its step waits before its next requeue: doubling
     from ``requeue_after`` on, at most an hour, and spread by the run (half to one
     and a half times that). A step that kills its worker would otherwise do so at
     every sweep, and take every run that worker held with it each time; runs lost

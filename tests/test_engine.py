@@ -1795,9 +1795,35 @@ def test_recover_holds_back_a_run_lost_again_and_again_at_one_step_and_fails_non
         assert engine.recover() == []  # lost again at its step: it waits
         wait_for(lambda: engine.recover() == [run.id], "the requeue", timeout=10)
         assert time.monotonic() - since >= held_back(run.id, losses, 0.4) - 0.05
-        assert f"ended unsettled {losses + 1} times in a row at step 0" in caplog.text
+        assert f"lost with its worker {losses + 1} times in a row at step 0" in caplog.text
     assert engine.get_run(run.id).status is RunStatus.QUEUED
     assert engine.execute(run.id).status is RunStatus.COMPLETED
+
+
+def test_a_run_its_live_worker_gave_up_is_requeued_at_once_however_often(
+    make_engine: EngineFactory,
+) -> None:
+    # A worker that let its run go (an outage, a lost lease) left it as a dead worker
+    # does: a database that kept failing at one step held the run back, as a step
+    # that kills its worker is.
+    tries: list[int] = []
+
+    @tool
+    def slow_step(ctx: ToolContext) -> str:
+        """A step during which the worker loses its lease."""
+        tries.append(1)
+        engine.leases.release(ctx.run.id, engine.owner)
+        ctx.signal.wait(5)  # the keeper's next renewal fails: the execution aborts
+        return "done"
+
+    agents = [Agent("a", ScriptedModel([tool_use("slow_step", {}), text("ok")]), tools=[slow_step])]
+    engine = make_engine(agents, scheduler=ManualScheduler(), requeue_after=30.0)
+    run = engine.dispatch("a", trigger({}), schedule=False)
+    for attempt in range(3):
+        assert engine.execute(run.id).status is RunStatus.RUNNING  # given up, left running
+        assert len(tries) == attempt + 1
+        # Not held back (that would be 15-45 s): requeued once its claim expires.
+        wait_for(lambda: engine.recover() == [run.id], "the requeue", timeout=6)
 
 
 def test_runs_lost_together_wait_different_times_doubling_up_to_an_hour() -> None:

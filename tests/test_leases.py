@@ -110,6 +110,15 @@ def test_release_by_the_owner_frees_the_lease(leases: Leases) -> None:
     assert leases.acquire("run-1", "b", 5)
 
 
+def test_a_claim_given_up_is_noted_for_its_epoch_until_the_note_expires(leases: Leases) -> None:
+    assert not leases.given_up("r1", 3)
+    leases.give_up("r1", 3, 0.3)
+    assert leases.given_up("r1", 3)
+    assert not leases.given_up("r1", 4) and not leases.given_up("r2", 3)
+    time.sleep(0.35)
+    assert not leases.given_up("r1", 3)
+
+
 def test_abort_request_reaches_a_handler_registered_by_another_engine(
     leases: Leases, elsewhere: Leases
 ) -> None:

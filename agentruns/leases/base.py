@@ -16,6 +16,10 @@ class Leases(Protocol):
     ``on_abort_request`` registers this process's handler and returns a
     function that unregisters it.
 
+    ``give_up`` notes that a live owner let a claim of the run go (an outage, a lost
+    lease, a shutdown), for ``given_up`` to tell ``recover`` that the claim did not
+    end with its process: the run is not held back for it.
+
     Leases that are only this process's (``LocalLeases``) set ``process_local``:
     an abort another process asks for cannot reach their handlers, so an engine
     looks for its runs' cancels in the store instead (every ``CANCEL_LOOK_S``).
@@ -28,6 +32,10 @@ class Leases(Protocol):
     def release(self, run_id: str, owner: str) -> bool: ...
 
     def holder(self, run_id: str) -> str | None: ...
+
+    def give_up(self, run_id: str, epoch: int, ttl_s: float) -> None: ...
+
+    def given_up(self, run_id: str, epoch: int) -> bool: ...
 
     def request_abort(self, run_id: str) -> None: ...
 

@@ -56,6 +56,7 @@ class LocalLeases:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._leases: dict[str, tuple[str, float]] = {}  # run_id -> (owner, monotonic expiry)
+        self._given_up: dict[tuple[str, int], float] = {}  # (run_id, epoch) -> expiry
         self._handlers = AbortHandlers()
 
     def _current(self, run_id: str, now: float) -> str | None:
@@ -94,6 +95,16 @@ class LocalLeases:
     def holder(self, run_id: str) -> str | None:
         with self._lock:
             return self._current(run_id, time.monotonic())
+
+    def give_up(self, run_id: str, epoch: int, ttl_s: float) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self._given_up = {k: t for k, t in self._given_up.items() if t > now}
+            self._given_up[(run_id, epoch)] = now + ttl_s
+
+    def given_up(self, run_id: str, epoch: int) -> bool:
+        with self._lock:
+            return self._given_up.get((run_id, epoch), 0.0) > time.monotonic()
 
     def request_abort(self, run_id: str) -> None:
         self._handlers.call(run_id)

@@ -84,6 +84,13 @@ class RedisLeases:
         owner = self._client.get(self._key(run_id))
         return None if owner is None else _text(owner)
 
+    def give_up(self, run_id: str, epoch: int, ttl_s: float) -> None:
+        key = f"{self._prefix}:given-up:{run_id}:{epoch}"
+        self._client.set(key, b"1", px=self._ms(ttl_s))
+
+    def given_up(self, run_id: str, epoch: int) -> bool:
+        return bool(self._client.exists(f"{self._prefix}:given-up:{run_id}:{epoch}"))
+
     def request_abort(self, run_id: str) -> None:
         self._client.publish(self._abort_channel, run_id)
 

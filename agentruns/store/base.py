@@ -169,8 +169,8 @@ class RunRef:
     epoch: int
     updated_at: datetime
     claim_expires_at: datetime | None
-    # Its step count, and how many of its executions ended unsettled at that step in
-    # a row before (their worker died, or gave the run up in an outage).
+    # Its step count, and how many of its executions were lost with their workers at
+    # that step in a row before.
     step: int = 0
     losses: int = 0
 
@@ -221,7 +221,7 @@ class Store(Protocol):
     its status and epoch (a miss is ``None``, never a partial write); a cancel
     requested while a run runs wins over its final answer; a claim takes a run only
     in its concurrency key's turn and its thread's line; ``requeue`` of a running
-    run counts the loss of its execution at its step. A write the
+    run lost with its worker counts the loss at its step. A write the
     store cannot keep (too large for one statement, text that is not UTF-8, JSON
     nested too deep) raises ``ValueError``, ``TypeError`` or ``RecursionError`` and
     stores nothing."""
@@ -256,7 +256,7 @@ class Store(Protocol):
         self, run_id: str, epoch: int, tool_call_id: str, result: Any, is_error: bool
     ) -> None: ...
     def sweep_candidates(self, queued_before: datetime) -> list[RunRef]: ...
-    def requeue(self, ref: RunRef) -> Run | None: ...
+    def requeue(self, ref: RunRef, count_loss: bool = False) -> Run | None: ...
     def next_queued(self, concurrency_key: str) -> str | None: ...
     def waiting_runs(self) -> list[WaitRef]: ...
     def close(self) -> None: ...

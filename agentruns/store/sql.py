@@ -470,11 +470,11 @@ class SqlStore:
                 for r in conn.execute(query)
             ]
 
-    def requeue(self, ref: RunRef) -> Run | None:
+    def requeue(self, ref: RunRef, count_loss: bool = False) -> Run | None:
         """Put a run back to queued if it is still exactly as swept (so one sweeper wins).
 
-        A running one's execution ended unsettled (its worker died, or gave it up in an
-        outage): that is counted, by the run's step (``RunRef.losses``)."""
+        ``count_loss``: the running run's execution was lost with its worker, counted
+        by the run's step (``RunRef.losses``)."""
         stmt = R.update().where(
             R.c.id == ref.id, status_of_one == ref.status.value, R.c.epoch == ref.epoch
         )
@@ -492,13 +492,13 @@ class SqlStore:
         )
         with self.engine.begin() as conn:
             row = conn.execute(stmt.returning(*R.c)).mappings().first()
-            if row is not None and ref.status is RunStatus.RUNNING:
+            if row is not None and count_loss:
                 self._count_loss(conn, ref.id, row["step_count"])
         return run_from_row(row) if row is not None else None
 
     def _count_loss(self, conn: Connection, run_id: str, at_step: int) -> None:
-        """Count an execution of the run that ended unsettled at ``at_step``: one more
-        in a row there, or the first at a step the run got to since."""
+        """Count an execution of the run lost at ``at_step``: one more in a row there,
+        or the first at a step the run got to since."""
         insert = self._insert(C).values(run_id=run_id, at_step=at_step, times=1)
         conn.execute(
             insert.on_conflict_do_update(

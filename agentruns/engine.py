@@ -428,6 +428,9 @@ class Engine:
     def _after_run(self, run: Run) -> None:
         """What follows an execution, once its slot is free for another: announcing
         its wait (a notifier may take long), scheduling its key's next run."""
+        if run.status is RunStatus.FAILED and run.error is not None:
+            # Said where an operator looks: the task's own line says only "failed".
+            log.warning("run %s failed: %s: %s", run.id, run.error.code, run.error.message[:500])
         key = run.concurrency_key
         # An interrupted run goes first again once recover() requeues it. The next
         # run is scheduled first: a slow notifier holds back no run of the key.
@@ -485,6 +488,10 @@ class Engine:
         if self._on_error is None:
             if isinstance(exc, LeaseLostError):
                 log.warning("%s", exc)
+            elif self.is_infrastructure_error(exc):
+                # An outage the README says what becomes of: one line, not a traceback
+                # for each of a worker's runs.
+                log.warning("agentruns: %s", exception_text(exc).splitlines()[0][:500])
             else:
                 log.error("agentruns error", exc_info=exc)
             return

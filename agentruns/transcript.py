@@ -38,7 +38,8 @@ def validate(messages: list[Message]) -> None:
     expected = "user"
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") != expected:
-            raise InvalidCheckpointError(f"message {i} should be a {expected} message")
+            article = "an" if expected == "assistant" else "a"
+            raise InvalidCheckpointError(f"message {i} should be {article} {expected} message")
         if not isinstance(message.get("content"), str | list):
             raise InvalidCheckpointError(f"message {i} has no content")
         if expected == "assistant":

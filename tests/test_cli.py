@@ -27,8 +27,9 @@ from agentruns import Agent, Engine, LocalLeases, LocalScheduler, RunStatus, Sql
 from agentruns.cli import main
 from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.runs import utcnow
 from agentruns.settings import Settings
-from tests.conftest import wait_for
+from tests.conftest import REDIS_URL, wait_for
 from tests.support.proxy import Proxy
 from workers import triage
 
@@ -250,6 +251,24 @@ def test_cancel_cancels_a_waiting_run_and_leaves_a_final_one(cli: Cli) -> None:
     # Unchanged, and said so: "run … cancelled" alone read as if this cancel had acted.
     assert code == 0 and "it was already cancelled: a final run stays as it is" in out
     assert "stale" in cli.fails(2, "approve", token)
+
+
+def test_show_and_cancel_say_when_no_worker_holds_a_running_run(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A run whose worker died looked healthy: `show` printed its claim "until" a time
+    # already past, and `cancel` said its execution stops within about a second.
+    monkeypatch.setenv("AGENTRUNS_REDIS_URL", REDIS_URL)
+    monkeypatch.setenv("AGENTRUNS_SECRET", "test-secret")
+    engine = cli.engine(triage.make_agent(triage.scripted_model()))
+    trigger = {"source": "t", "trigger": "t", "payload": REPORT}
+    run = engine.dispatch("triage", trigger, schedule=False)
+    assert engine.store.claim(run.id, "dead:1", utcnow() - timedelta(seconds=1)) is not None
+    engine.close()
+    code, out, _ = cli("show", run.id)
+    assert code == 0 and "(expired: the next `agentruns recover` requeues it)" in out
+    code, out, _ = cli("cancel", run.id)
+    assert code == 0 and "no worker holds it now" in out
 
 
 def test_recover_continues_an_interrupted_run(cli: Cli) -> None:

@@ -900,6 +900,49 @@ def test_a_reply_one_store_would_refuse_is_a_malformed_reply_on_both(
         assert run.usage == counted, bad
 
 
+def test_counters_edited_below_the_stored_rows_fail_the_run_as_an_invalid_checkpoint(
+    make_any_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A run whose message count was set below its stored messages continued from the
+    # shorter transcript, and its next write collided with the rows past it: the run
+    # failed internal_error, its message the whole SQL statement.
+    @tool(needs_approval=True)
+    def publish(text: str) -> str:
+        """Publish."""
+        return "published"
+
+    script = [tool_use("search_issues", {"query": "x"}), tool_use("publish", {"text": "t"})]
+    agent = Agent("a", ScriptedModel([*script, text("ok")]), tools=[search_issues, publish])
+    engine = make_any_engine([agent])
+    run = _run_to_end(engine)
+    assert run.status is RunStatus.WAITING
+    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(
+            sa.text("UPDATE agentruns_runs SET message_count = 2 WHERE id = :id"), {"id": run.id}
+        )
+    engine.resume(engine.approval_token(run.id), approved=True)
+    assert engine.idle(10)
+    failed = engine.get_run(run.id)
+    assert failed.status is RunStatus.FAILED and failed.error is not None
+    assert failed.error.code == "invalid_checkpoint", failed.error
+    assert "holds more steps or messages than its counters say" in failed.error.message
+    assert f"run {run.id} failed: invalid_checkpoint" in caplog.text  # said at WARNING
+
+
+def test_an_outage_reported_with_no_on_error_is_one_warning_line(
+    make_sqlite_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A worker logged a traceback for each run a Redis or Postgres outage reached.
+    engine = make_sqlite_engine([])
+    engine._on_error = None
+    engine.report(redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379.\nmore"))
+    record = caplog.records[-1]
+    assert record.levelname == "WARNING" and record.exc_info is None
+    assert (
+        record.getMessage() == "agentruns: ConnectionError: Error 111 connecting to 127.0.0.1:6379."
+    )
+
+
 def test_a_reply_of_a_server_tools_call_and_result_alone_completes(
     make_engine: EngineFactory,
 ) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from agentruns.cli import render
 from agentruns.cli.errors import BAD_INPUT, CliError, first_line
 from agentruns.cli.session import Session
+from agentruns.engine import Engine
 from agentruns.runs import Run, RunStatus, utcnow
 from agentruns.store.connect import shown_url
 
@@ -117,6 +118,11 @@ def cmd_cancel(session: Session, args: argparse.Namespace) -> int:
     if before.status.is_final:
         # Said, or a second cancel (or one of a completed run) reads as if it had acted.
         session.say(f"it was already {before.status.value}: a final run stays as it is")
+    elif run.status is RunStatus.RUNNING and _unheld(engine, run.id):
+        session.say(
+            "cancel requested: no worker holds it now (its worker died, or let it go in an"
+            " outage); it settles cancelled when recover() takes it, once its claim expires"
+        )
     elif run.status is RunStatus.RUNNING:
         session.say("cancel requested: the execution holding it stops within about a second")
     return 0
@@ -217,3 +223,14 @@ def _report_run(session: Session, run: Run) -> int:
         session.say(f"  approve: agentruns approve {token}{session.secret_note()}")
         session.say(f"  or:      agentruns approve --run {run.id}   /   deny --run {run.id}")
     return 0
+
+
+def _unheld(engine: Engine, run_id: str) -> bool:
+    """No process holds the run's lease (shared leases only: this process cannot see
+    another's local ones)."""
+    if getattr(engine.leases, "process_local", False):
+        return False
+    try:
+        return engine.leases.holder(run_id) is None
+    except Exception:
+        return False  # Redis down: say what is most likely

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
-from agentruns.runs import Run, Step, utcnow
+from agentruns.runs import Run, RunStatus, Step, utcnow
 
 BAR_WIDTH = 24
 
@@ -151,7 +151,11 @@ def header(run: Run) -> str:
         lines.append(f"          expires {clock(wait.expires_at, date=True)}")
         lines.append(f"          answer: agentruns approve --run {run.id}  (or deny)")
     if run.claim is not None:
-        lines.append(f"claim     {run.claim.owner} until {clock(run.claim.expires_at)}")
+        line = f"claim     {run.claim.owner} until {clock(run.claim.expires_at)}"
+        if run.status is RunStatus.RUNNING and run.claim.expires_at < utcnow():
+            # Not renewed: its worker died or let it go; it is not running anywhere.
+            line += " (expired: the next `agentruns recover` requeues it)"
+        lines.append(line)
     if run.output:
         lines.append(f"output    {short(run.output, 100)}")
     if run.error is not None:

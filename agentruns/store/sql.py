@@ -369,7 +369,14 @@ class SqlStore:
         A running guard that matches no row means another engine owns the run:
         that raises ``LeaseLostError``. Other guards return None.
         """
-        row = self.writes.commit(run.id, guard, commit, utcnow())
+        try:
+            row = self.writes.commit(run.id, guard, commit, utcnow())
+        except sa.exc.IntegrityError:
+            # Only an append can collide: the run's rows go past its counters.
+            raise InvalidCheckpointError(
+                f"run {run.id} holds more steps or messages than its counters say (edited"
+                " by hand?): this write's cannot be appended after them"
+            ) from None
         if row is None:
             if guard.status == RunStatus.RUNNING:
                 raise LeaseLostError(run.id)

@@ -9,6 +9,7 @@ died between the side effect and its record): ``on_unknown`` decides.
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,8 @@ from agentruns.runs import Run, storable_text
 from agentruns.store.base import EffectRecord, Store
 from agentruns.store.connect import dumps
 from agentruns.tools import Tool, ToolContext, ToolInputError, result_content
+
+log = logging.getLogger("agentruns")
 
 
 @dataclass(frozen=True)
@@ -124,6 +127,16 @@ class ToolCaller:
             if tool.on_unknown == "approve":
                 return Wait(unknown=True)
             raise EffectOutcomeUnknown(tool.name, ctx.idempotency_key)
+        if record is not None:
+            # The one event an operator most needs to hear of: a side effect that may
+            # now happen twice, unless the far side deduplicates by the key.
+            log.warning(
+                "run %s calls effect tool %s again (idempotency key %s): a crash left the"
+                " outcome of its first attempt unknown",
+                self.run_id,
+                tool.name,
+                ctx.idempotency_key,
+            )
         self.store.begin_effect(
             self.run_id, self.epoch, ctx.tool_call_id, tool.name, ctx.idempotency_key
         )

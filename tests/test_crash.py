@@ -219,12 +219,15 @@ def charge_keys(helper: Helper) -> list[str]:
 
 
 def test_unknown_effect_outcome_with_retry_calls_again_with_the_same_key(
-    make_engine: EngineFactory, spawn: Any
+    make_engine: EngineFactory, spawn: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, "unknown_retry")
     assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
     charges = charge_keys(helper)
     assert len(charges) == 2 and charges[0] == charges[1]
+    # Said, as the one call an operator may need to check (it left no other trace).
+    said = f"run {run.id} calls effect tool charge again (idempotency key {charges[0]})"
+    assert said in caplog.text
 
 
 # An approval given before the first attempt covers that attempt only: after the crash,

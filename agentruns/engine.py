@@ -575,7 +575,8 @@ class Engine:
                 return False
             # Its execution ended with its process (a live one notes what it gives up).
             lost = not self.leases.given_up(ref.id, ref.epoch)
-            if lost and ref.losses:
+            # A cancel is not held back: the run settles once an execution claims it.
+            if lost and ref.losses and not ref.cancel_requested:
                 wait = timedelta(seconds=held_back(ref.id, ref.losses, self.requeue_after))
                 if now < (ref.claim_expires_at or ref.updated_at) + wait:
                     return False  # lost again at the step it was lost at: it waits its turn
@@ -592,7 +593,7 @@ class Engine:
             log.warning(
                 "run %s requeued after its execution was lost with its worker %d times in a"
                 " row at step %d. If its step kills the worker that runs it, `agentruns"
-                " cancel` it; each requeue waits longer",
+                " cancel` it; its waits before a requeue double, up to an hour",
                 ref.id,
                 ref.losses + 1,
                 ref.step,
@@ -723,4 +724,5 @@ def held_back(run_id: str, losses: int, requeue_after: float) -> float:
         return 0.0
     digest = hashlib.blake2b(f"{run_id}:{losses}".encode(), digest_size=8).digest()
     spread = 0.5 + int.from_bytes(digest, "big") / 2**64
-    return float(min(MOST_HELD_BACK_S, requeue_after * 2.0 ** (losses - 1)) * spread)
+    doubled = requeue_after * 2.0 ** min(losses - 1, 64)  # 2.0 ** 1024 overflows
+    return float(min(MOST_HELD_BACK_S, doubled) * spread)

@@ -1878,6 +1878,36 @@ def test_runs_lost_together_wait_different_times_doubling_up_to_an_hour() -> Non
     assert held_back("run-1", 2, 60.0) == held_back("run-1", 2, 60.0)  # every sweeper's
     assert held_back("run-1", 0, 60.0) == 0.0
     assert 1800.0 <= held_back("run-1", 30, 60.0) < 5400.0  # an hour at most, spread
+    assert 1800.0 <= held_back("run-1", 5000, 60.0) < 5400.0  # 2.0 ** 1024 overflowed
+
+
+def test_a_held_back_run_is_cancelled_at_once_and_a_drain_ends_its_count(
+    make_any_engine: EngineFactory,
+) -> None:
+    # A cancel of a run held back waited out the hold (up to an hour and a half), and
+    # its concurrency key's line with it.
+    agents = [Agent("a", ScriptedModel([text("ok")]))]
+    engine = make_any_engine(agents, scheduler=ManualScheduler(), requeue_after=30.0)
+    held = engine.dispatch("a", trigger({"n": 1}), schedule=False)
+    _lost_with_its_worker(engine, held.id)
+    assert engine.recover() == [held.id]  # the first loss: at once
+    _lost_with_its_worker(engine, held.id)
+    assert engine.recover() == []  # the second: held back (15-45 s)
+    engine.cancel(held.id)
+    assert engine.recover() == [held.id]
+    assert engine.execute(held.id).status is RunStatus.CANCELLED
+    # Losses in a row end with a drain: the next loss at that step is the first.
+    drained = engine.dispatch("a", trigger({"n": 2}), schedule=False)
+    _lost_with_its_worker(engine, drained.id)
+    assert engine.recover() == [drained.id]
+    claimed = engine.store.claim(drained.id, engine.owner, utcnow() + timedelta(seconds=30))
+    assert claimed is not None
+    guard = Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
+    interrupt = Commit(status=RunStatus.INTERRUPTED, release_claim=True)
+    assert engine.store.commit(claimed.run, guard, interrupt) is not None
+    assert engine.recover() == [drained.id]
+    _lost_with_its_worker(engine, drained.id)
+    assert engine.recover() == [drained.id]  # not held back: the first loss in a row
 
 
 def test_a_run_lost_at_different_steps_is_requeued_at_once_each_time(

@@ -173,6 +173,7 @@ class RunRef:
     # that step in a row before.
     step: int = 0
     losses: int = 0
+    cancel_requested: bool = False
 
 
 @dataclass(frozen=True)

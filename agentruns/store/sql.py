@@ -448,6 +448,7 @@ class SqlStore:
             R.c.updated_at,
             R.c.claim_expires_at,
             R.c.step_count,
+            R.c.cancel_requested,
             sa.func.coalesce(C.c.times, 0).label("losses"),
         ).select_from(R.outerjoin(C, lost))
         # The statuses in literals: a generic plan of parameters scanned the table.
@@ -473,6 +474,7 @@ class SqlStore:
                     claim_expires_at=aware(r.claim_expires_at),
                     step=r.step_count,
                     losses=r.losses,
+                    cancel_requested=r.cancel_requested,
                 )
                 for r in conn.execute(query)
             ]
@@ -481,7 +483,8 @@ class SqlStore:
         """Put a run back to queued if it is still exactly as swept (so one sweeper wins).
 
         ``count_loss``: the running run's execution was lost with its worker, counted
-        by the run's step (``RunRef.losses``)."""
+        by the run's step (``RunRef.losses``); a run drained or given up by a live
+        worker ends its count."""
         stmt = R.update().where(
             R.c.id == ref.id, status_of_one == ref.status.value, R.c.epoch == ref.epoch
         )
@@ -501,6 +504,10 @@ class SqlStore:
             row = conn.execute(stmt.returning(*R.c)).mappings().first()
             if row is not None and count_loss:
                 self._count_loss(conn, ref.id, row["step_count"])
+            elif row is not None and ref.status is not RunStatus.QUEUED:
+                # Drained, or given up by a live worker: not a loss, and the losses
+                # before it are no longer in a row.
+                conn.execute(C.delete().where(C.c.run_id == ref.id))
         return run_from_row(row) if row is not None else None
 
     def _count_loss(self, conn: Connection, run_id: str, at_step: int) -> None:

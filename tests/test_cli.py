@@ -28,6 +28,7 @@ from agentruns.cli import main
 from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.runs import utcnow
+from agentruns.schedulers import ManualScheduler
 from agentruns.settings import Settings
 from tests.conftest import REDIS_URL, wait_for
 from tests.support.proxy import Proxy
@@ -260,13 +261,21 @@ def test_show_and_cancel_say_when_no_worker_holds_a_running_run(
     # already past, and `cancel` said its execution stops within about a second.
     monkeypatch.setenv("AGENTRUNS_REDIS_URL", REDIS_URL)
     monkeypatch.setenv("AGENTRUNS_SECRET", "test-secret")
-    engine = cli.engine(triage.make_agent(triage.scripted_model()))
+    agent = triage.make_agent(triage.scripted_model())
+    engine = Engine(SqlStore(cli.url), scheduler=ManualScheduler(), agents=[agent], secret="s")
     trigger = {"source": "t", "trigger": "t", "payload": REPORT}
     run = engine.dispatch("triage", trigger, schedule=False)
     assert engine.store.claim(run.id, "dead:1", utcnow() - timedelta(seconds=1)) is not None
-    engine.close()
     code, out, _ = cli("show", run.id)
-    assert code == 0 and "(expired: the next `agentruns recover` requeues it)" in out
+    assert code == 0 and "(expired: `agentruns recover` requeues it)" in out
+    assert "losses" not in out
+    # Lost again at the same step: held back, and the count is shown.
+    assert engine.recover() == [run.id]
+    assert engine.store.claim(run.id, "dead:2", utcnow() - timedelta(seconds=1)) is not None
+    code, out, _ = cli("show", run.id)
+    assert "(expired: `agentruns recover` requeues it, once held back)" in out
+    assert "losses    1 in a row at its step, each with its worker" in out
+    engine.close()
     code, out, _ = cli("cancel", run.id)
     assert code == 0 and "no worker holds it now" in out
 

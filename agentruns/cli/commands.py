@@ -74,7 +74,8 @@ def cmd_show(session: Session, args: argparse.Namespace) -> int:
     run = engine.get_run(args.run)
     steps = engine.steps(run.id)
     session.json({"run": render.run_json(run, steps)})
-    session.say(render.header(run))
+    unsettled = run.status in (RunStatus.RUNNING, RunStatus.QUEUED)
+    session.say(render.header(run, engine.store.losses(run.id) if unsettled else 0))
     session.say()
     session.say(render.timeline(run, steps))
     return 0

@@ -126,7 +126,9 @@ def run_line(run: Run) -> str:
     return plain(text)
 
 
-def header(run: Run) -> str:
+def header(run: Run, losses: int = 0) -> str:
+    """The run's fields, one a line; ``losses``: its executions lost with their
+    workers in a row at its step (``Store.losses``)."""
     end = run.finished_at or utcnow()
     age = duration((end - run.created_at).total_seconds())
     trigger = run.trigger
@@ -154,8 +156,16 @@ def header(run: Run) -> str:
         line = f"claim     {run.claim.owner} until {clock(run.claim.expires_at)}"
         if run.status is RunStatus.RUNNING and run.claim.expires_at < utcnow():
             # Not renewed: its worker died or let it go; it is not running anywhere.
-            line += " (expired: the next `agentruns recover` requeues it)"
+            held = losses and not run.cancel_requested
+            line += (
+                f" (expired: `agentruns recover` requeues it{', once held back' if held else ''})"
+            )
         lines.append(line)
+    if losses:
+        lines.append(
+            f"losses    {losses} in a row at its step, each with its worker: recover holds it"
+            " back longer each time (`agentruns cancel` it if its step kills workers)"
+        )
     if run.output:
         lines.append(f"output    {short(run.output, 100)}")
     if run.error is not None:

@@ -510,6 +510,15 @@ class SqlStore:
                 conn.execute(C.delete().where(C.c.run_id == ref.id))
         return run_from_row(row) if row is not None else None
 
+    def losses(self, run_id: str) -> int:
+        """How many of the run's executions were lost with their workers in a row at
+        its step (0 once it got on, or was drained)."""
+        query = sa.select(C.c.times).select_from(
+            C.join(R, sa.and_(R.c.id == C.c.run_id, R.c.step_count == C.c.at_step))
+        )
+        with self._reads.connect() as conn:
+            return int(conn.execute(query.where(C.c.run_id == run_id)).scalar() or 0)
+
     def _count_loss(self, conn: Connection, run_id: str, at_step: int) -> None:
         """Count an execution of the run lost at ``at_step``: one more in a row there,
         or the first at a step the run got to since."""

@@ -28,9 +28,11 @@ from agentruns import (
     InvalidTriggerError,
     LeaseLostError,
     LocalLeases,
+    RedisLeases,
     RunContext,
     RunNotFoundError,
     RunStatus,
+    SqlStore,
     ToolContext,
     TriggerEnvelope,
     UnknownAgentError,
@@ -930,17 +932,26 @@ def test_counters_edited_below_the_stored_rows_fail_the_run_as_an_invalid_checkp
 
 
 def test_an_outage_reported_with_no_on_error_is_one_warning_line(
-    make_sqlite_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+    sqlite_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    # A worker logged a traceback for each run a Redis or Postgres outage reached.
-    engine = make_sqlite_engine([])
-    engine._on_error = None
-    engine.report(redis.ConnectionError("Error 111 connecting to 127.0.0.1:6379.\nmore"))
-    record = caplog.records[-1]
-    assert record.levelname == "WARNING" and record.exc_info is None
-    assert (
-        record.getMessage() == "agentruns: ConnectionError: Error 111 connecting to 127.0.0.1:6379."
+    # A worker (an engine with no on_error) logged a traceback for each run a Redis or
+    # Postgres outage reached.
+    agents = [Agent("a", ScriptedModel([text("ok")]))]
+    engine = Engine(
+        SqlStore(sqlite_url),
+        leases=RedisLeases("redis://127.0.0.1:1/0"),  # nothing listens there
+        scheduler=ManualScheduler(),
+        agents=agents,
+        secret="s",
     )
+    try:
+        run = engine.dispatch("a", trigger({}))
+        assert engine.execute(run.id).status is RunStatus.QUEUED  # its lease: unreachable
+    finally:
+        engine.close()
+    said = [r for r in caplog.records if r.getMessage().startswith("agentruns: ConnectionError")]
+    assert said and all(r.levelname == "WARNING" and r.exc_info is None for r in said)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
 def test_a_reply_of_a_server_tools_call_and_result_alone_completes(

@@ -64,6 +64,8 @@ R = schema.runs
 S = schema.steps
 E = schema.effects
 C = schema.crashes
+# A run's count of losses, while it is at the step they were counted at.
+_LOST_AT_ITS_STEP = sa.and_(C.c.run_id == R.c.id, C.c.at_step == R.c.step_count)
 
 
 _NOT_FINAL = [status.value for status in RunStatus if not status.is_final]
@@ -440,7 +442,6 @@ class SqlStore:
         to finish, which schedules the next: a long line is not requeued, nor sent an
         execution that can claim nothing, on every sweep)."""
         # With the losses counted at the run's step (none, for most runs).
-        lost = sa.and_(C.c.run_id == R.c.id, C.c.at_step == R.c.step_count)
         query = sa.select(
             R.c.id,
             R.c.status,
@@ -450,7 +451,7 @@ class SqlStore:
             R.c.step_count,
             R.c.cancel_requested,
             sa.func.coalesce(C.c.times, 0).label("losses"),
-        ).select_from(R.outerjoin(C, lost))
+        ).select_from(R.outerjoin(C, _LOST_AT_ITS_STEP))
         # The statuses in literals: a generic plan of parameters scanned the table.
         query = query.where(
             sa.or_(
@@ -513,9 +514,7 @@ class SqlStore:
     def losses(self, run_id: str) -> int:
         """How many of the run's executions were lost with their workers in a row at
         its step (0 once it got on, or was drained)."""
-        query = sa.select(C.c.times).select_from(
-            C.join(R, sa.and_(R.c.id == C.c.run_id, R.c.step_count == C.c.at_step))
-        )
+        query = sa.select(C.c.times).select_from(C.join(R, _LOST_AT_ITS_STEP))
         with self._reads.connect() as conn:
             return int(conn.execute(query.where(C.c.run_id == run_id)).scalar() or 0)
 

@@ -559,6 +559,9 @@ class Engine:
                         self.scheduler.schedule(ref.id)
                 except Exception as exc:
                     self.report(exc)
+            # The counts of losses of runs that got on or settled since (a table that
+            # only recover writes to, and only for lost executions).
+            self.store.forget_losses()
         return requeued
 
     def _requeue(self, ref: RunRef, now: datetime) -> bool:
@@ -577,8 +580,8 @@ class Engine:
             lost = not self.leases.given_up(ref.id, ref.epoch)
             # A cancel is not held back: the run settles once an execution claims it.
             if lost and ref.losses and not ref.cancel_requested:
-                wait = timedelta(seconds=held_back(ref.id, ref.losses, self.requeue_after))
-                if now < (ref.claim_expires_at or ref.updated_at) + wait:
+                lost_at = ref.claim_expires_at or ref.updated_at
+                if now < held_until(ref.id, lost_at, ref.losses, self.requeue_after):
                     return False  # lost again at the step it was lost at: it waits its turn
         elif ref.status is RunStatus.QUEUED and self.leases.holder(ref.id) is not None:
             return False  # an execution is claiming it right now
@@ -711,6 +714,12 @@ class Engine:
 MOST_HELD_BACK_S = 3600.0
 # How long the note that a live process gave a run's claim up is kept for recover().
 _GIVEN_UP_S = 3600.0
+
+
+def held_until(run_id: str, lost_at: datetime, losses: int, requeue_after: float) -> datetime:
+    """When ``recover`` may requeue a run lost ``losses`` times in a row at its step, the
+    last time at ``lost_at`` (its dead worker's claim expiry)."""
+    return lost_at + timedelta(seconds=held_back(run_id, losses, requeue_after))
 
 
 def held_back(run_id: str, losses: int, requeue_after: float) -> float:

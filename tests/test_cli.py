@@ -24,7 +24,8 @@ import pytest
 from pydantic import ValidationError
 
 from agentruns import Agent, Engine, LocalLeases, LocalScheduler, RunStatus, SqlStore, tool
-from agentruns.cli import main
+from agentruns.cli import main, render
+from agentruns.engine import held_until
 from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.runs import utcnow
@@ -271,9 +272,15 @@ def test_show_and_cancel_say_when_no_worker_holds_a_running_run(
     assert "losses" not in out
     # Lost again at the same step: held back, and the count is shown.
     assert engine.recover() == [run.id]
-    assert engine.store.claim(run.id, "dead:2", utcnow() - timedelta(seconds=1)) is not None
+    lost = engine.store.claim(run.id, "dead:2", utcnow() - timedelta(seconds=1))
+    assert lost is not None and lost.run.claim is not None
+    monkeypatch.setenv("AGENTRUNS_REQUEUE_AFTER", "600")
     code, out, _ = cli("show", run.id)
-    assert "(expired: `agentruns recover` requeues it, once held back)" in out
+    # When the hold ends, as recover reckons it (5-15 min past the claim's expiry).
+    ends = held_until(run.id, lost.run.claim.expires_at, 1, 600.0)
+    assert timedelta(minutes=4) < ends - utcnow() < timedelta(minutes=15)
+    other_day = ends.astimezone().date() != utcnow().astimezone().date()
+    assert f"requeues it once its hold ends, at {render.clock(ends, date=other_day)})" in out
     assert "losses    1 in a row at its step, each with its worker" in out
     engine.close()
     code, out, _ = cli("cancel", run.id)

@@ -46,6 +46,7 @@ from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.models.base import ModelResponse
 from agentruns.runs import Run, utcnow
 from agentruns.schedulers import ManualScheduler
+from agentruns.store import schema
 from agentruns.store.base import Claimed, Commit, Guard, NewStep
 from tests.conftest import (
     REDIS_URL,
@@ -1937,6 +1938,37 @@ def test_a_run_lost_at_different_steps_is_requeued_at_once_each_time(
         assert engine.recover() == [run.id]  # lost at steps 1, 2 and 3, once each
     _lost_with_its_worker(engine, run.id)
     assert engine.recover() == []  # lost at step 3 again: held back (15-45 s)
+
+
+def test_recover_forgets_the_losses_of_runs_that_got_on_or_settled(
+    make_any_engine: EngineFactory,
+) -> None:
+    # The count of losses in a row had a row per run ever lost, kept forever.
+    agents = [Agent("a", ScriptedModel([text("ok")]))]
+    engine = make_any_engine(agents, scheduler=ManualScheduler(), requeue_after=30.0)
+    settled, moved_on, still = (
+        engine.dispatch("a", trigger({"n": n}), schedule=False) for n in range(3)
+    )
+    for run in (settled, moved_on, still):
+        _lost_with_its_worker(engine, run.id)
+    assert sorted(engine.recover()) == sorted([settled.id, moved_on.id, still.id])
+    assert engine.execute(settled.id).status is RunStatus.COMPLETED
+    # Got on a step, and still running under a live claim.
+    live = utcnow() + timedelta(seconds=engine.lease_ttl)
+    claimed = engine.store.claim(moved_on.id, engine.owner, live)
+    assert claimed is not None
+    step = NewStep(kind="tool", name="t", started_at=utcnow(), finished_at=utcnow())
+    guard = Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
+    assert engine.store.commit(claimed.run, guard, Commit(steps=[step])) is not None
+
+    def counted() -> list[str]:
+        with engine.store.engine.connect() as conn:  # type: ignore[attr-defined]
+            return sorted(conn.execute(sa.select(schema.crashes.c.run_id)).scalars())
+
+    assert counted() == sorted([settled.id, moved_on.id, still.id])
+    assert engine.recover() == []
+    assert counted() == [still.id]  # queued at the step it was lost at: still counts
+    assert engine.store.losses(still.id) == 1
 
 
 class _Backlog(ManualScheduler):

@@ -11,7 +11,7 @@ from typing import Any
 from agentruns.cli import render
 from agentruns.cli.errors import BAD_INPUT, CliError, first_line
 from agentruns.cli.session import Session
-from agentruns.engine import Engine
+from agentruns.engine import Engine, held_until
 from agentruns.runs import Run, RunStatus, utcnow
 from agentruns.store.connect import shown_url
 
@@ -75,7 +75,11 @@ def cmd_show(session: Session, args: argparse.Namespace) -> int:
     steps = engine.steps(run.id)
     session.json({"run": render.run_json(run, steps)})
     unsettled = run.status in (RunStatus.RUNNING, RunStatus.QUEUED)
-    session.say(render.header(run, engine.store.losses(run.id) if unsettled else 0))
+    losses = engine.store.losses(run.id) if unsettled else 0
+    hold = None
+    if losses and run.claim is not None and not run.cancel_requested:
+        hold = held_until(run.id, run.claim.expires_at, losses, engine.requeue_after)
+    session.say(render.header(run, losses, hold))
     session.say()
     session.say(render.timeline(run, steps))
     return 0

@@ -126,9 +126,10 @@ def run_line(run: Run) -> str:
     return plain(text)
 
 
-def header(run: Run, losses: int = 0) -> str:
+def header(run: Run, losses: int = 0, held_until: datetime | None = None) -> str:
     """The run's fields, one a line; ``losses``: its executions lost with their
-    workers in a row at its step (``Store.losses``)."""
+    workers in a row at its step (``Store.losses``), and ``held_until``: when recover
+    may requeue it, lost again (``engine.held_until``)."""
     end = run.finished_at or utcnow()
     age = duration((end - run.created_at).total_seconds())
     trigger = run.trigger
@@ -156,10 +157,11 @@ def header(run: Run, losses: int = 0) -> str:
         line = f"claim     {run.claim.owner} until {clock(run.claim.expires_at)}"
         if run.status is RunStatus.RUNNING and run.claim.expires_at < utcnow():
             # Not renewed: its worker died or let it go; it is not running anywhere.
-            held = losses and not run.cancel_requested
-            line += (
-                f" (expired: `agentruns recover` requeues it{', once held back' if held else ''})"
-            )
+            line += " (expired: `agentruns recover` requeues it"
+            if held_until is not None and held_until > utcnow():
+                same_day = held_until.astimezone().date() == utcnow().astimezone().date()
+                line += f" once its hold ends, at {clock(held_until, date=not same_day)}"
+            line += ")"
         lines.append(line)
     if losses:
         lines.append(

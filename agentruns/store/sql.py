@@ -518,6 +518,15 @@ class SqlStore:
         with self._reads.connect() as conn:
             return int(conn.execute(query.where(C.c.run_id == run_id)).scalar() or 0)
 
+    def forget_losses(self) -> int:
+        """Delete the counts of losses that no longer count: of runs that got on past the
+        step they were lost at, settled, or are gone. Rows are written only when an
+        execution is lost, so the sweep deletes them (the hot path never looks); how
+        many it deleted."""
+        counted = sa.exists().where(_LOST_AT_ITS_STEP, R.c.status.in_(_NOT_FINAL))
+        with self.engine.begin() as conn:
+            return int(conn.execute(C.delete().where(~counted)).rowcount or 0)
+
     def _count_loss(self, conn: Connection, run_id: str, at_step: int) -> None:
         """Count an execution of the run lost at ``at_step``: one more in a row there,
         or the first at a step the run got to since."""

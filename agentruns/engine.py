@@ -26,6 +26,7 @@ from agentruns.approvals import Approvals
 from agentruns.errors import (
     LeaseLostError,
     exception_text,
+    first_line,
     stops_the_task,
 )
 from agentruns.events import Events, EventType, Listener, RunUpdated, StepAppended
@@ -66,7 +67,8 @@ log = logging.getLogger("agentruns")
 
 # How long an execution waits for a free slot before looking again (drain, fallback).
 _SLOT_WAIT_S = 0.2
-_INFRASTRUCTURE = (
+# What an outage of the database or Redis raises (and a stalled one).
+INFRASTRUCTURE_ERRORS = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
     # No pooled connection came free in time: the database is stalled (a lock held
@@ -491,7 +493,7 @@ class Engine:
             elif self.is_infrastructure_error(exc):
                 # An outage the README says what becomes of: one line, not a traceback
                 # for each of a worker's runs.
-                log.warning("agentruns: %s", exception_text(exc).splitlines()[0][:500])
+                log.warning("agentruns: %s", first_line(exc))
             else:
                 log.error("agentruns error", exc_info=exc)
             return
@@ -502,7 +504,7 @@ class Engine:
 
     @staticmethod
     def is_infrastructure_error(exc: Exception) -> bool:
-        return isinstance(exc, _INFRASTRUCTURE)
+        return isinstance(exc, INFRASTRUCTURE_ERRORS)
 
     # -- approvals ---------------------------------------------------------------------------
 

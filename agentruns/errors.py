@@ -21,6 +21,11 @@ def exception_text(exc: BaseException, *, typed: bool = True) -> str:
     return f"{name}: {said}" if typed else said
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception in one log line (an outage's: SQLAlchemy's go on for several)."""
+    return exception_text(exc).splitlines()[0][:500]
+
+
 def stops_the_task(exc: BaseException) -> bool:
     """Whether ``exc`` stops the task it was raised in, rather than telling of a failure
     of the code it interrupted: a Celery worker's time limit (``SoftTimeLimitExceeded``,

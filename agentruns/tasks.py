@@ -30,8 +30,8 @@ from celery.worker.request import Request
 
 from agentruns.broker import send_together
 from agentruns.celery import AMQP, app
-from agentruns.engine import Engine
-from agentruns.errors import AgentrunsError, NotMigratedError
+from agentruns.engine import INFRASTRUCTURE_ERRORS, Engine
+from agentruns.errors import AgentrunsError, NotMigratedError, first_line
 from agentruns.runs import Run, RunStatus
 from agentruns.worker import get_engine, shutting_down  # and a worker's signal handlers
 
@@ -238,7 +238,9 @@ class AgentrunsTask(Protocol[P, R]):
     def __getattr__(self, name: str) -> Any: ...
 
 
-def _task(name: str) -> Callable[[Callable[Concatenate[Any, P], R]], AgentrunsTask[P, R]]:
+def _task(
+    name: str, throws: tuple[type[Exception], ...] = _EXPECTED
+) -> Callable[[Callable[Concatenate[Any, P], R]], AgentrunsTask[P, R]]:
     """``app.task`` with the options every agentruns task shares (typed for mypy: the
     task without its bound ``self``).
 
@@ -250,7 +252,7 @@ def _task(name: str) -> Callable[[Callable[Concatenate[Any, P], R]], AgentrunsTa
         name=name,
         base=_Task,
         bind=True,
-        throws=_EXPECTED,
+        throws=throws,
         max_retries=None,
         acks_late=True,
         reject_on_worker_lost=True,
@@ -361,16 +363,34 @@ def cancel(self: Any, run_id: str) -> dict[str, Any]:
     return _summary(run)
 
 
-@_task("agentruns.tick")
+@contextlib.contextmanager
+def _sweeping(name: str) -> Iterator[None]:
+    """A sweep through an outage fails, not retried (beat sends the next one soon), in
+    one warning line: its traceback, each time, flooded a worker's log while the
+    database was away. (The sweep tasks' ``throws`` keep Celery's own line short.)"""
+    try:
+        yield
+    except Exception as exc:
+        if Engine.is_infrastructure_error(exc):
+            log.warning("agentruns %s could not sweep: %s", name, first_line(exc))
+        raise
+
+
+_SWEEP_THROWS = (*_EXPECTED, *INFRASTRUCTURE_ERRORS)
+
+
+@_task("agentruns.tick", throws=_SWEEP_THROWS)
 def tick(self: Any) -> None:
     """Expire approvals past their time; re-send notifications that did not go through."""
-    _engine_or_give_back().tick()
+    with _sweeping("tick"):
+        _engine_or_give_back().tick()
 
 
-@_task("agentruns.recover")
+@_task("agentruns.recover", throws=_SWEEP_THROWS)
 def recover(self: Any) -> list[str]:
     """Requeue interrupted, orphaned and long-queued runs; returns their ids."""
-    requeued = _engine_or_give_back().recover()
+    with _sweeping("recover"):
+        requeued = _engine_or_give_back().recover()
     if requeued:
         log.info("recover requeued %d run(s): %s", len(requeued), ", ".join(requeued))
     return requeued

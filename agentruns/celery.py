@@ -116,6 +116,8 @@ def defaults() -> dict[str, Any]:
         "task_send_sent_event": True,
         # Celery's consumer, publishing those events in batches (agentruns.consumer).
         "worker_consumer": "agentruns.consumer:Consumer",
+        # Beat's scheduler: Celery's, saying in one line a sweep it could not send.
+        "beat_scheduler": "agentruns.beat:Scheduler",
         # Sweeps, safe when two beats run. `expires` drops a sweep no worker picked
         # up within a minute after the next one was due, so a backlog never piles
         # up. Celery stamps it with beat's clock and checks it with the worker's:

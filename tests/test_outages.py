@@ -22,6 +22,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import redis
 import sqlalchemy
 import sqlalchemy.exc
 from celery import Celery
@@ -40,6 +41,7 @@ from agentruns import (
     ToolContext,
     tool,
 )
+from agentruns.celery import sweeps_queue
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
 from bench.cluster import Cluster
@@ -483,6 +485,25 @@ def _celery_on(
     finally:
         group.stop(graceful=False)
         engine.close()
+
+
+def test_beat_says_in_one_line_each_sweep_it_cannot_send_and_sends_them_after(
+    db_url: str, private_redis: PrivateRedis, tmp_path: Path
+) -> None:
+    # While the broker was away, Celery's scheduler logged every sweep it could not
+    # send with its main loop's stack and a traceback: some 170 lines a sweep.
+    with _celery_on(db_url, private_redis.url, REDIS_URL, tmp_path, 0.5) as (group, _):
+        group.env["AGENTRUNS_TICK_INTERVAL"] = "1"
+        beat = group.beat()
+        sweeps = redis.Redis.from_url(private_redis.url)
+        wait_for(lambda: sweeps.llen(sweeps_queue(group.queue)) > 0, "a sweep sent")
+        private_redis.kill()
+        line = "WARNING/MainProcess] beat could not send agentruns.tick: OperationalError: "
+        wait_for(lambda: beat.output().count(line) >= 2, "two sweeps not sent")
+        assert "Traceback" not in beat.output() and "Message Error" not in beat.output()
+        private_redis.start()  # empty: what was sent went with it
+        sweeps = redis.Redis.from_url(private_redis.url)
+        wait_for(lambda: sweeps.llen(sweeps_queue(group.queue)) > 0, "a sweep sent after")
 
 
 def test_a_busy_worker_outlives_its_broker_going_away_and_finishes_the_run_after(

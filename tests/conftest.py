@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import socket
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import psycopg
 import pytest
@@ -23,6 +24,9 @@ from agentruns import Engine, LocalLeases, LocalScheduler, RedisLeases, SqlStore
 from agentruns.migrate import migrate
 from agentruns.store import schema
 from bench.cluster import wait_for as poll
+
+if TYPE_CHECKING:
+    from tests.support.private_redis import PrivateRedis
 
 PG_ADMIN = os.environ.get("AGENTRUNS_TEST_PG", "postgresql://postgres@127.0.0.1:5432/postgres")
 REDIS_URL = os.environ.get("AGENTRUNS_TEST_REDIS", "redis://127.0.0.1:6379/0")
@@ -196,6 +200,19 @@ def wait_for(check: Callable[[], T | None], what: str = "a condition", timeout: 
 def trigger(payload: Any = None, **fields: Any) -> dict[str, Any]:
     """A manual trigger envelope as a dict."""
     return {"source": "manual", "trigger": "manual", "payload": payload, **fields}
+
+
+@pytest.fixture
+def private_redis() -> Iterator[PrivateRedis]:
+    """A ``redis-server`` of the test's own, which it may kill and start again."""
+    from tests.support.private_redis import PrivateRedis
+
+    if shutil.which("redis-server") is None:
+        pytest.fail("redis-server is not installed; `make test` needs it")
+    r = PrivateRedis()
+    r.start()
+    yield r
+    r.kill()
 
 
 def free_port() -> int:

@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
-import socket
-import subprocess
 import threading
 import time
 import uuid
@@ -45,8 +42,9 @@ from agentruns.celery import sweeps_queue
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
 from bench.cluster import Cluster
-from tests.conftest import REDIS_URL, Errors, free_port, trigger, wait_for
+from tests.conftest import REDIS_URL, Errors, trigger, wait_for
 from tests.support import celery_agents
+from tests.support.private_redis import PrivateRedis
 from tests.support.proxy import Proxy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,57 +64,6 @@ def proxy() -> Iterator[Proxy]:
     p = Proxy(("127.0.0.1", 5432))
     yield p
     p.close()
-
-
-class PrivateRedis:
-    def __init__(self) -> None:
-        self.port = free_port()
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [
-                shutil.which("redis-server") or "redis-server",
-                "--port",
-                str(self.port),
-                "--bind",
-                "127.0.0.1",
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        deadline = time.monotonic() + 10
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.2).close()
-                return
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.05)
-
-    def kill(self) -> None:
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.wait()
-            self.proc = None
-
-
-@pytest.fixture
-def private_redis() -> Iterator[PrivateRedis]:
-    if shutil.which("redis-server") is None:
-        pytest.fail("redis-server is not installed; `make test` needs it")
-    r = PrivateRedis()
-    r.start()
-    yield r
-    r.kill()
 
 
 def assert_finished_cleanly(engine: Engine, run_id: str) -> None:

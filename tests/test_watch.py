@@ -25,6 +25,7 @@ from agentruns.settings import Settings
 from agentruns.store import sql
 from agentruns.wiring import engine_from_settings
 from tests.conftest import REDIS_URL, database_away, free_port, trigger
+from tests.support.private_redis import PrivateRedis
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -138,6 +139,30 @@ def test_watch_looks_on_a_clock_when_redis_goes_away(
     wakeups = _wakeups(session, 0.01)
     assert [next(wakeups), next(wakeups)] == [None, None]
     assert "lost Redis's events" in capsys.readouterr().err
+
+
+def test_watch_takes_redis_events_again_once_redis_is_back(
+    sqlite_url: str, private_redis: PrivateRedis, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A watch that lost Redis looked on its clock for as long as it ran, however soon
+    # Redis came back: a long poll interval then meant late lines.
+    session = Session(as_json=True)
+    session._settings = Settings(database_url=sqlite_url, redis_url=private_redis.url, agents="")
+    wakeups = _wakeups(session, 0.05)
+    assert next(wakeups) is None  # subscribed; quiet
+    private_redis.kill()
+    while "lost Redis's events" not in capsys.readouterr().err:
+        assert next(wakeups) is None
+    private_redis.start()
+    publisher = redis.Redis.from_url(private_redis.url)
+    for _ in range(200):  # at most about 10 s of wake-ups
+        if next(wakeups) is None and publisher.pubsub_numsub(channel("agentruns"))[0][1]:
+            break
+    else:
+        raise AssertionError("the watch did not subscribe again")
+    assert "receiving Redis's events again" in capsys.readouterr().err
+    publisher.publish(channel("agentruns"), json.dumps({"type": "run.updated", "run_id": "r"}))
+    assert next(wakeups) == [{"type": "run.updated", "run_id": "r"}]
 
 
 def test_a_look_whose_read_fails_leaves_its_runs_to_the_next_look(

@@ -243,14 +243,23 @@ def _note(text: str) -> None:
 
 
 def _wakeups(session: Session, interval: float) -> Iterator[list[dict[str, object]] | None]:
-    """When to look again: on the events published over Redis, else every ``interval``."""
+    """When to look again: on the events published over Redis, else every ``interval``.
+    Without Redis's events (it went away), the store is looked at on that clock, and
+    Redis asked again at each look: a watch once left without them stayed so."""
     redis_url = session.settings.redis_url
-    if redis_url:
-        try:
-            yield from subscribe(redis_url, timeout=interval)
-        except redis.RedisError as exc:
-            # The store stays the truth: without events, it is looked at on a clock.
-            _note(f"lost Redis's events ({first_line(exc)}); looking every {interval:g}s")
+    lost = False
     while True:
+        if redis_url:
+            try:
+                for events in subscribe(redis_url, timeout=interval):
+                    if lost:
+                        _note("receiving Redis's events again")
+                        lost = False
+                    yield events
+            except redis.RedisError as exc:
+                # The store stays the truth: without events, it is looked at on a clock.
+                if not lost:
+                    _note(f"lost Redis's events ({first_line(exc)}); looking every {interval:g}s")
+                    lost = True
         time.sleep(interval)
         yield None

@@ -298,7 +298,11 @@ def test_an_effects_result_is_recorded_across_a_dropped_connection_and_not_repea
 
 
 def test_an_effects_result_is_recorded_after_a_first_try_that_failed_slowly(
-    db_url: str, redis_prefix: str, proxy: Proxy, errors: Errors
+    db_url: str,
+    redis_prefix: str,
+    proxy: Proxy,
+    errors: Errors,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     # The tries' few seconds were counted from the first try: one that waited on a
     # silent server longer than that was the only one, and the tool ran again.
@@ -326,6 +330,9 @@ def test_an_effects_result_is_recorded_after_a_first_try_that_failed_slowly(
         wait_for(lambda: engine.idle(0), "the execution", timeout=30)
         _finish_recovering(engine, run.id, timeout=60)
         assert len(paid) == 1, paid
+        # Each try again says whose result it is (it named neither run nor call).
+        said = f"run {run.id}: could not record the result of effect call toolu_"
+        assert said in caplog.text
     finally:
         engine.close()
 

@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 from sqlalchemy.exc import OperationalError
 
-from agentruns.errors import LeaseLostError
+from agentruns.errors import LeaseLostError, first_line
 from agentruns.runs import RunStatus, utcnow
 from agentruns.store import schema
 from agentruns.store.base import EffectRecord
@@ -107,5 +107,10 @@ class Effects:
                     deadline = time.monotonic() + _FINISH_EFFECT_TRIES_S
                 if pause is None or time.monotonic() + pause > deadline:
                     raise
-                log.warning("could not record an effect's result (%s); trying again", exc)
+                log.warning(
+                    "run %s: could not record the result of effect call %s (%s); trying again",
+                    run_id,
+                    tool_call_id,
+                    first_line(exc),
+                )
                 time.sleep(pause)

@@ -603,6 +603,8 @@ class Engine:
                 ref.losses + 1,
                 ref.step,
             )
+        else:
+            log.info("run %s requeued: %s", ref.id, _why_requeued(ref, lost))
         return True
 
     def drain(self, timeout: float | None = None) -> None:
@@ -716,6 +718,18 @@ class Engine:
 MOST_HELD_BACK_S = 3600.0
 # How long the note that a live process gave a run's claim up is kept for recover().
 _GIVEN_UP_S = 3600.0
+
+
+def _why_requeued(ref: RunRef, lost: bool) -> str:
+    """Why recover requeued a run, for the operator reading a worker's log."""
+    if ref.status is RunStatus.INTERRUPTED:
+        return "it was interrupted (a drain, or a worker's time limit)"
+    if ref.status is RunStatus.QUEUED:
+        since = ref.updated_at.isoformat(timespec="seconds")
+        return f"queued since {since} with no execution under way (its message was lost)"
+    if lost:
+        return f"its execution was lost with its worker at step {ref.step} (its claim expired)"
+    return f"its worker let it go at step {ref.step} (an outage, a lost lease or a shutdown)"
 
 
 def held_until(run_id: str, lost_at: datetime, losses: int, requeue_after: float) -> datetime:

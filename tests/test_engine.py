@@ -1940,6 +1940,35 @@ def test_a_run_lost_at_different_steps_is_requeued_at_once_each_time(
     assert engine.recover() == []  # lost at step 3 again: held back (15-45 s)
 
 
+def test_recover_says_why_it_requeued_each_run(
+    make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A worker's log said only "recover requeued 3 run(s)" and their ids.
+    caplog.set_level("INFO", logger="agentruns")
+    agents = [Agent("a", ScriptedModel([text("ok")]))]
+    engine = make_engine(agents, scheduler=ManualScheduler(), requeue_after=0.3)
+    lost, let_go, drained, forgotten = (
+        engine.dispatch("a", trigger({"n": n}), schedule=False) for n in range(4)
+    )
+    _lost_with_its_worker(engine, lost.id)
+    engine.leases.give_up(let_go.id, _lost_with_its_worker(engine, let_go.id).epoch, 60)
+    claimed = engine.store.claim(drained.id, engine.owner, utcnow() + timedelta(seconds=30))
+    assert claimed is not None
+    guard = Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
+    interrupt = Commit(status=RunStatus.INTERRUPTED, release_claim=True)
+    assert engine.store.commit(claimed.run, guard, interrupt) is not None
+    time.sleep(0.4)  # the queued one: longer than requeue_after
+    assert len(engine.recover()) == 4
+    reasons = {
+        lost.id: "its execution was lost with its worker at step 0 (its claim expired)",
+        let_go.id: "its worker let it go at step 0 (an outage, a lost lease or a shutdown)",
+        drained.id: "it was interrupted (a drain, or a worker's time limit)",
+        forgotten.id: "queued since ",
+    }
+    for run_id, why in reasons.items():
+        assert f"run {run_id} requeued: {why}" in caplog.text
+
+
 def test_recover_forgets_the_losses_of_runs_that_got_on_or_settled(
     make_any_engine: EngineFactory,
 ) -> None:

@@ -4,7 +4,6 @@ approvals is ``approvals.py``'s."""
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import os
 import secrets
@@ -14,7 +13,6 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from datetime import datetime, timedelta
 from typing import TYPE_CHECKING, Any, Literal, Unpack, overload
 
 import redis
@@ -35,6 +33,7 @@ from agentruns.keeper import LeaseKeeper
 from agentruns.leases.base import Leases
 from agentruns.leases.local import LocalLeases
 from agentruns.leases.redis import RedisLeases
+from agentruns.recovery import Recovery
 from agentruns.runs import (
     Budget,
     Checkpoint,
@@ -44,7 +43,6 @@ from agentruns.runs import (
     Step,
     TriggerEnvelope,
     is_storable_key,
-    utcnow,
 )
 from agentruns.schedulers.base import Scheduler
 from agentruns.schedulers.local import LocalScheduler
@@ -55,7 +53,6 @@ from agentruns.store.base import (
     Committed,
     Guard,
     NewRun,
-    RunRef,
     Store,
 )
 from agentruns.store.sql import SqlStore
@@ -144,6 +141,7 @@ class Engine:
         self._unsubscribe_aborts = self.leases.on_abort_request(self._abort_requested)
         self._closers: list[Callable[[], None]] = []
         self._approvals = Approvals(self)
+        self._recovery = Recovery(self)
 
     # -- configuration -----------------------------------------------------------
 
@@ -542,70 +540,9 @@ class Engine:
 
     def recover(self) -> list[str]:
         """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge
-        was lost. A run whose executions were lost with their workers again and again
-        at one step (a step that kills its worker) waits longer before each requeue.
-        The ids requeued."""
-        now = utcnow()
-        requeued: list[str] = []
+        was lost (``recovery.py``). The ids requeued."""
         with self._calling():
-            # While nudges wait for a worker (a backlog), a queued run's is most likely
-            # among them: another would only lengthen the line, on every sweep, by every
-            # run in it. Its nudge counts as lost once the line is gone.
-            behind = bool(self.scheduler.waiting())
-            for ref in self.store.sweep_candidates(now - timedelta(seconds=self.requeue_after)):
-                if behind and ref.status is RunStatus.QUEUED:
-                    continue
-                try:
-                    if self._requeue(ref, now):
-                        requeued.append(ref.id)
-                        self.scheduler.schedule(ref.id)
-                except Exception as exc:
-                    self.report(exc)
-            # The counts of losses of runs that got on or settled since (a table that
-            # only recover writes to, and only for lost executions).
-            self.store.forget_losses()
-        return requeued
-
-    def _requeue(self, ref: RunRef, now: datetime) -> bool:
-        if ref.status is RunStatus.RUNNING:
-            if ref.claim_expires_at is not None and ref.claim_expires_at > now:
-                # A live claim, unless its owner's clock is ahead of ours: no owner
-                # renews a claim further than its TTL ahead. With shared leases the
-                # lease then says (a dead owner's claim would hold the run back by
-                # the skew); without, the claim is all there is to go by.
-                ahead = ref.claim_expires_at > now + timedelta(seconds=self.lease_ttl)
-                if not ahead or getattr(self.leases, "process_local", False):
-                    return False
-            if self.leases.holder(ref.id) is not None:
-                return False
-            # Its execution ended with its process (a live one notes what it gives up).
-            lost = not self.leases.given_up(ref.id, ref.epoch)
-            # A cancel is not held back: the run settles once an execution claims it.
-            if lost and ref.losses and not ref.cancel_requested:
-                lost_at = ref.claim_expires_at or ref.updated_at
-                if now < held_until(ref.id, lost_at, ref.losses, self.requeue_after):
-                    return False  # lost again at the step it was lost at: it waits its turn
-        elif ref.status is RunStatus.QUEUED and self.leases.holder(ref.id) is not None:
-            return False  # an execution is claiming it right now
-        else:
-            lost = False
-        with self.events.writing(ref.id):
-            requeued = self.store.requeue(ref, count_loss=lost)
-            if requeued is None:
-                return False
-            self.events.run_updated(requeued)
-        if lost and ref.losses:
-            log.warning(
-                "run %s requeued after its execution was lost with its worker %d times in a"
-                " row at step %d. If its step kills the worker that runs it, `agentruns"
-                " cancel` it; its waits before a requeue double, up to an hour",
-                ref.id,
-                ref.losses + 1,
-                ref.step,
-            )
-        else:
-            log.info("run %s requeued: %s", ref.id, _why_requeued(ref, lost))
-        return True
+            return self._recovery.recover()
 
     def drain(self, timeout: float | None = None) -> None:
         """Stop claiming; abort in-flight runs, which settle ``interrupted`` and release claims."""
@@ -714,40 +651,5 @@ class Engine:
         return self.events.on(event, listener)
 
 
-# The longest a run lost again and again at one step waits before its next requeue.
-MOST_HELD_BACK_S = 3600.0
 # How long the note that a live process gave a run's claim up is kept for recover().
 _GIVEN_UP_S = 3600.0
-
-
-def _why_requeued(ref: RunRef, lost: bool) -> str:
-    """Why recover requeued a run, for the operator reading a worker's log."""
-    if ref.status is RunStatus.INTERRUPTED:
-        return "it was interrupted (a drain, or a worker's time limit)"
-    if ref.status is RunStatus.QUEUED:
-        since = ref.updated_at.isoformat(timespec="seconds")
-        return f"queued since {since} with no execution under way (its message was lost)"
-    if lost:
-        return f"its execution was lost with its worker at step {ref.step} (its claim expired)"
-    return f"its worker let it go at step {ref.step} (an outage, a lost lease or a shutdown)"
-
-
-def held_until(run_id: str, lost_at: datetime, losses: int, requeue_after: float) -> datetime:
-    """When ``recover`` may requeue a run lost ``losses`` times in a row at its step, the
-    last time at ``lost_at`` (its dead worker's claim expiry)."""
-    return lost_at + timedelta(seconds=held_back(run_id, losses, requeue_after))
-
-
-def held_back(run_id: str, losses: int, requeue_after: float) -> float:
-    """How long after its claim expired a run whose executions were lost with their
-    workers ``losses`` times in a row at its step waits before its next requeue: doubling
-    from ``requeue_after`` on, at most an hour, and spread by the run (half to one
-    and a half times that). A step that kills its worker would otherwise do so at
-    every sweep, and take every run that worker held with it each time; runs lost
-    beside it in the same deaths are requeued at other moments, so they get on."""
-    if losses < 1:
-        return 0.0
-    digest = hashlib.blake2b(f"{run_id}:{losses}".encode(), digest_size=8).digest()
-    spread = 0.5 + int.from_bytes(digest, "big") / 2**64
-    doubled = requeue_after * 2.0 ** min(losses - 1, 64)  # 2.0 ** 1024 overflows
-    return float(min(MOST_HELD_BACK_S, doubled) * spread)

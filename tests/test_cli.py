@@ -25,9 +25,9 @@ from pydantic import ValidationError
 
 from agentruns import Agent, Engine, LocalLeases, LocalScheduler, RunStatus, SqlStore, tool
 from agentruns.cli import main, render
-from agentruns.engine import held_until
 from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.recovery import held_until
 from agentruns.runs import utcnow
 from agentruns.schedulers import ManualScheduler
 from agentruns.settings import Settings

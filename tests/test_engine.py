@@ -39,11 +39,11 @@ from agentruns import (
     Usage,
     tool,
 )
-from agentruns.engine import held_back
 from agentruns.errors import InvalidCheckpointError
 from agentruns.events import Event
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.models.base import ModelResponse
+from agentruns.recovery import held_back
 from agentruns.runs import Run, utcnow
 from agentruns.schedulers import ManualScheduler
 from agentruns.store import schema

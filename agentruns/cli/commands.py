@@ -11,7 +11,8 @@ from typing import Any
 from agentruns.cli import render
 from agentruns.cli.errors import BAD_INPUT, CliError, first_line
 from agentruns.cli.session import Session
-from agentruns.engine import Engine, held_until
+from agentruns.engine import Engine
+from agentruns.recovery import held_until
 from agentruns.runs import Run, RunStatus, utcnow
 from agentruns.store.connect import shown_url
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol
 
+from agentruns import pending as pending_
 from agentruns import tokens
 from agentruns.agent import Agent
 from agentruns.errors import AgentrunsError, InvalidTokenError, NotifierError, UnknownAgentError
@@ -94,21 +95,20 @@ class Approvals:
         assert wait is not None and wait.tool_call_id is not None
         pending = dict(engine.store.pending(run.id) or {})
         denied: str | None = None
+        asked_again = pending_.unknown(pending.get(wait.tool_call_id))
         if approved:
-            asked_again = (pending.get(wait.tool_call_id) or {}).get("unknown", False)
-            # "unknown": what was approved is calling it again (see execution.py).
-            pending[wait.tool_call_id] = {"status": "approved", "unknown": asked_again}
+            pending[wait.tool_call_id] = pending_.approved(asked_again)
         else:
             said = reason or "no reason given"
             denied = f"The call was denied: {said}"
-            if (pending.get(wait.tool_call_id) or {}).get("unknown", False):
+            if asked_again:
                 # Asked to call it again: the model must not take it for never made.
                 denied = (
                     "The call was not made again: a crash left the outcome of an earlier"
                     f" attempt unknown (it may have happened), and calling it again was"
                     f" denied: {said}"
                 )
-            pending[wait.tool_call_id] = {"status": "done", "content": denied, "is_error": True}
+            pending[wait.tool_call_id] = pending_.done(denied, is_error=True)
         now = utcnow()
         agent = engine.agents.get(run.agent)
         # The wait step spans the wait: from the pause to the answer.

@@ -6,11 +6,7 @@ response first, then the tool results with the checkpoint, so a recovered run
 never asks the model again for a response that was saved.
 
 While a step is paused on approvals, the answers and the results of the calls
-that already ran are kept in the run's ``pending`` map, keyed by tool call id:
-``{"status": "done", "content": ..., "is_error": ...}``,
-``{"status": "needs_approval", "wait": {...}}`` or ``{"status": "approved"}``; with
-``"unknown": true`` when the approval asked is to call an effect tool again whose
-first attempt may have happened before a crash.
+that already ran are kept in the run's ``pending`` map (``pending.py``).
 The tool-result message is appended only once every call has its result, so
 stored messages stay append-only and the transcript stays valid.
 """
@@ -27,6 +23,7 @@ from typing import Any, Protocol, TypeVar
 
 from pydantic import ValidationError
 
+from agentruns import pending as pending_
 from agentruns import replies, transcript
 from agentruns.agent import Agent, RunContext
 from agentruns.errors import (
@@ -380,29 +377,25 @@ class Execution:
                 # calls done so far are kept, so a recovery does not repeat them.
                 self._stop_mid_step(pending, tool_steps, index, finish_reason)
             entry = pending.get(call["id"])
-            if entry is not None and entry["status"] == "done":
+            if pending_.status(entry) == pending_.DONE:
                 continue
-            if entry is not None and entry["status"] == "needs_approval":
+            if pending_.status(entry) == pending_.NEEDS_APPROVAL:
                 awaiting = call  # still unanswered
                 break
-            approved = entry is not None and entry["status"] == "approved"
-            again = approved and bool(entry and entry.get("unknown"))
+            approved = pending_.status(entry) == pending_.APPROVED
+            again = approved and pending_.unknown(entry)
             if again:
                 # A person approved calling it again after an unknown outcome: that
                 # covers this attempt only. Used up before it starts, so that if its
                 # outcome is unknown too, the person is asked again.
-                pending[call["id"]] = {"status": "approved", "unknown": False}
+                pending[call["id"]] = pending_.approved(unknown=False)
                 self._commit(Commit(pending=pending))
             started = utcnow()
             outcome = self._tool_call(call, approved, again, pending, tool_steps)
             if outcome is None:
                 awaiting = call  # now awaiting approval
                 break
-            pending[call["id"]] = {
-                "status": "done",
-                "content": outcome.content,
-                "is_error": outcome.is_error,
-            }
+            pending[call["id"]] = pending_.done(outcome.content, outcome.is_error)
             tool_steps.append(
                 NewStep(
                     kind="tool",
@@ -484,9 +477,8 @@ class Execution:
                 RunStatus.FAILED, error=RunError(code=code, message=message), steps=tool_steps
             )
         if isinstance(outcome, Wait):
-            pending[call["id"]] = {"status": "needs_approval"}
-            if outcome.unknown:  # the answer approves calling it again
-                pending[call["id"]]["unknown"] = True
+            # Unknown: the answer approves calling it again.
+            pending[call["id"]] = pending_.needs_approval(outcome.unknown)
             return None
         return outcome
 

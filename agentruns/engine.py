@@ -15,9 +15,6 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Unpack, overload
 
-import redis
-import sqlalchemy.exc
-
 from agentruns import intake
 from agentruns.agent import Agent
 from agentruns.approvals import Approvals
@@ -33,6 +30,7 @@ from agentruns.keeper import LeaseKeeper
 from agentruns.leases.base import Leases
 from agentruns.leases.local import LocalLeases
 from agentruns.leases.redis import RedisLeases
+from agentruns.outages import is_outage
 from agentruns.recovery import Recovery
 from agentruns.runs import (
     Budget,
@@ -64,17 +62,6 @@ log = logging.getLogger("agentruns")
 
 # How long an execution waits for a free slot before looking again (drain, fallback).
 _SLOT_WAIT_S = 0.2
-# What an outage of the database or Redis raises (and a stalled one).
-INFRASTRUCTURE_ERRORS = (
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
-    # No pooled connection came free in time: the database is stalled (a lock held
-    # for long, a slow disk), and every thread waits for its connection back.
-    sqlalchemy.exc.TimeoutError,
-    redis.ConnectionError,
-    redis.TimeoutError,
-    OSError,
-)
 
 
 class Engine:
@@ -502,7 +489,7 @@ class Engine:
 
     @staticmethod
     def is_infrastructure_error(exc: Exception) -> bool:
-        return isinstance(exc, INFRASTRUCTURE_ERRORS)
+        return is_outage(exc)
 
     # -- approvals ---------------------------------------------------------------------------
 

@@ -30,8 +30,9 @@ from celery.worker.request import Request
 
 from agentruns.broker import send_together
 from agentruns.celery import AMQP, app
-from agentruns.engine import INFRASTRUCTURE_ERRORS, Engine
+from agentruns.engine import Engine
 from agentruns.errors import AgentrunsError, NotMigratedError, first_line
+from agentruns.outages import OUTAGE
 from agentruns.runs import Run, RunStatus
 from agentruns.worker import get_engine, shutting_down  # and a worker's signal handlers
 
@@ -41,7 +42,7 @@ P = ParamSpec("P")
 R = TypeVar("R", covariant=True)
 
 # Expected errors: reported as the task's failure, logged without a traceback, never retried.
-_EXPECTED = (AgentrunsError,)
+_EXPECTED: tuple[type[Exception], ...] = (AgentrunsError,)
 _RETRY_BACKOFF_MAX_S = 60
 _GIVE_BACK_PAUSE_S = 1.0
 _NO_SOFT_LIMIT_S = 10.0**9  # no hard limit either: a soft limit that never comes
@@ -376,7 +377,7 @@ def _sweeping(name: str) -> Iterator[None]:
         raise
 
 
-_SWEEP_THROWS = (*_EXPECTED, *INFRASTRUCTURE_ERRORS)
+_SWEEP_THROWS = (*_EXPECTED, *OUTAGE)
 
 
 @_task("agentruns.tick", throws=_SWEEP_THROWS)

@@ -15,7 +15,6 @@ from datetime import datetime
 from typing import Any
 
 import redis
-import sqlalchemy.exc
 
 from agentruns.broadcast import subscribe
 from agentruns.cli import render
@@ -23,6 +22,7 @@ from agentruns.cli.errors import first_line
 from agentruns.cli.session import Session
 from agentruns.engine import Engine
 from agentruns.errors import RunNotFoundError
+from agentruns.outages import DATABASE_OUTAGE
 from agentruns.runs import Run, RunStatus, Step, utcnow
 from agentruns.store.base import RunHead
 
@@ -220,7 +220,7 @@ class _Lost:
     def look(self, poll: Callable[[], None]) -> bool:
         try:
             poll()
-        except _DATABASE_GONE as exc:  # not any OSError: stdout's BrokenPipeError ends it
+        except DATABASE_OUTAGE as exc:  # not any OSError: stdout's BrokenPipeError ends it
             if self.since is None:
                 self.since = time.monotonic()
                 _note(f"cannot read the database ({first_line(exc)}); trying again")
@@ -229,13 +229,6 @@ class _Lost:
             _note(f"reading the database again, after {time.monotonic() - self.since:.0f}s")
             self.since = None
         return True
-
-
-_DATABASE_GONE = (
-    sqlalchemy.exc.OperationalError,
-    sqlalchemy.exc.InterfaceError,
-    sqlalchemy.exc.TimeoutError,  # no pooled connection came free
-)
 
 
 def _note(text: str) -> None:

@@ -11,9 +11,9 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
-from sqlalchemy.exc import OperationalError
 
 from agentruns.errors import LeaseLostError, first_line
+from agentruns.outages import DATABASE_OUTAGE
 from agentruns.runs import RunStatus, utcnow
 from agentruns.store import schema
 from agentruns.store.base import EffectRecord
@@ -100,7 +100,7 @@ class Effects:
                         )
                     )
                 return
-            except (OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
+            except DATABASE_OUTAGE as exc:
                 # For a few seconds from the first failure: a silent server (each try
                 # waiting out its timeout) would hold the execution, and its drain, long.
                 if deadline is None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from functools import cache
+from typing import TypeGuard
 from urllib.parse import urlsplit
 
 import sqlalchemy as sa
@@ -77,6 +78,11 @@ class Settings(BaseSettings):
 
 
 _REDIS_SCHEMES = ("redis://", "rediss://", "unix://")
+
+
+def is_redis_url(url: str | None) -> TypeGuard[str]:
+    """Does the URL name a Redis (redis-py's schemes: TCP, TLS or a Unix socket)?"""
+    return url is not None and url.startswith(_REDIS_SCHEMES)
 
 
 def _redis_url(value: str) -> str:

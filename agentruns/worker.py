@@ -21,7 +21,7 @@ from celery import signals
 from celery.utils.imports import cwd_in_path
 
 from agentruns.celery import SWEEPS
-from agentruns.settings import get_settings
+from agentruns.settings import get_settings, is_redis_url
 
 if TYPE_CHECKING:
     from agentruns.engine import Engine
@@ -68,7 +68,7 @@ def _build_engine() -> Engine:
         # Leases must be shared by every worker: without AGENTRUNS_REDIS_URL, use
         # the broker's Redis rather than the in-process leases of the embedded mode.
         broker = str(app.conf.broker_url or "")
-        if not broker.startswith(("redis://", "rediss://", "unix://")):
+        if not is_redis_url(broker):
             raise RuntimeError("agentruns workers need Redis for leases: set AGENTRUNS_REDIS_URL")
         overrides["leases"] = RedisLeases(broker)
     if _slots is not None:

@@ -20,7 +20,7 @@ from agentruns.errors import AgentrunsError
 from agentruns.events import Event
 from agentruns.leases import LocalLeases
 from agentruns.schedulers import LocalScheduler
-from agentruns.settings import Settings
+from agentruns.settings import Settings, is_redis_url
 from agentruns.store.connect import shown_url
 from agentruns.wiring import engine_from_settings, load_agents
 
@@ -128,7 +128,7 @@ class Session:
             "AGENTRUNS_BROKER_URL": self.settings.broker_url,
         }
         for name, url in urls.items():
-            if not url or not url.startswith(("redis://", "rediss://")):
+            if not is_redis_url(url):
                 continue
             client = redis.Redis.from_url(url, socket_connect_timeout=2, socket_timeout=2)
             try:

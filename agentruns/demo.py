@@ -30,6 +30,7 @@ from agentruns.migrate import migrate
 from agentruns.runs import Run, RunStatus, Step, utcnow
 from agentruns.schedulers import LocalScheduler
 from agentruns.store import SqlStore
+from agentruns.wiring import cwd_on_path
 
 LEASE_TTL = 1.0  # short, so the crashed child's claim expires quickly
 PARENT_LATENCY = 0.1  # per model call: slow enough to watch, fast enough to finish
@@ -101,9 +102,7 @@ class _Narrator:
 
 
 def _import_triage() -> ModuleType:
-    from agentruns.cli.session import import_path
-
-    import_path()
+    cwd_on_path()
     try:
         import workers.triage as triage
     except ImportError as exc:

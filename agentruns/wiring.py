@@ -35,15 +35,20 @@ class EngineOptions(TypedDict, total=False):
     on_error: Callable[[Exception], None] | None
 
 
-def load_agents(modules: list[str]) -> list[Agent]:
-    """Every ``Agent`` defined at module level in the given modules.
-
-    Modules are found from the working directory too, as ``celery -A`` finds
-    its app, so ``AGENTRUNS_AGENTS=workers.triage`` works from a project root.
-    """
+def cwd_on_path() -> None:
+    """Put the working directory first on ``sys.path``, as ``python -m`` and ``celery
+    -A`` do, and leave it there: agent modules are found from a project's root, and
+    so are the modules their tools import later, when they run (in a worker too)."""
     cwd = os.getcwd()
     if cwd not in sys.path:
-        sys.path.append(cwd)
+        sys.path.insert(0, cwd)
+
+
+def load_agents(modules: list[str]) -> list[Agent]:
+    """Every ``Agent`` defined at module level in the given modules, which are found
+    from the working directory too (``AGENTRUNS_AGENTS=workers.triage`` from a
+    project's root)."""
+    cwd_on_path()
     found: dict[str, tuple[Agent, str]] = {}  # by name: the agent, and its module
     for name in modules:
         module = importlib.import_module(name)

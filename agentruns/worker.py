@@ -18,7 +18,6 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from celery import signals
-from celery.utils.imports import cwd_in_path
 
 from agentruns.celery import SWEEPS
 from agentruns.settings import get_settings, is_redis_url
@@ -74,9 +73,8 @@ def _build_engine() -> Engine:
     if _slots is not None:
         # Every pool slot may hold a run; the pool, not the engine, is the limit here.
         overrides["slots"] = max(settings.slots, _slots)
-    # Agent modules (AGENTRUNS_AGENTS) import from the working directory, like celeryconfig.
-    with cwd_in_path():
-        engine = Engine.from_settings(**overrides)
+    # Agent modules (AGENTRUNS_AGENTS) import from the working directory (load_agents).
+    engine = Engine.from_settings(**overrides)
     log.info(
         "agentruns engine %s ready: %d slots, agents %s",
         engine.owner,

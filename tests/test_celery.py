@@ -569,6 +569,40 @@ def test_redelivered_and_bad_messages_store_nothing_more(cluster: Cluster, engin
     assert worker.popen.poll() is None
 
 
+def test_a_tool_imports_from_the_working_directory_as_it_runs_in_a_worker(
+    cluster: Cluster, engine: Engine, tmp_path: Path
+) -> None:
+    # A worker put its working directory on the path only while it imported the
+    # agent modules: a tool that imported a project's module when called (as the
+    # CLI's executions could) failed with ModuleNotFoundError in a worker.
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "lazyhelper.py").write_text('ANSWER = "from the working directory"\n')
+    (project / "lazyagents.py").write_text(
+        "from agentruns import Agent, tool\n"
+        "from agentruns.models import ScriptedModel, text, tool_use\n\n"
+        "@tool\n"
+        "def lazy() -> str:\n"
+        '    """Answer from a module imported when called."""\n'
+        "    import lazyhelper\n\n"
+        "    return lazyhelper.ANSWER\n\n"
+        'agent = Agent("lazy", ScriptedModel([tool_use("lazy", {}), text("done")]), tools=[lazy])\n'
+    )
+    env = {**cluster.env, "AGENTRUNS_AGENTS": "lazyagents"}
+    group = BaseCluster(env, cluster.queue, tmp_path, cwd=project)
+    try:
+        from agentruns.tasks import dispatch
+
+        group.workers("w1")
+        dispatch.delay("lazy", trigger({}), idempotency_key="lazy")
+        (run,) = wait_for(lambda: [r for r in engine.list_runs() if r.idempotency_key == "lazy"])
+        wait_for(partial(completed, engine, run.id), "the run to complete")
+        tool_step = engine.steps(run.id)[1]
+        assert tool_step.error is None and tool_step.output == "from the working directory"
+    finally:
+        group.stop(graceful=False)
+
+
 def test_messages_sent_while_postgres_is_away_wait_for_it_and_are_answered(
     cluster: Cluster, engine: Engine, db_url: str
 ) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import warnings
@@ -23,13 +22,6 @@ from agentruns.schedulers import LocalScheduler
 from agentruns.settings import Settings, is_redis_url
 from agentruns.store.connect import shown_url
 from agentruns.wiring import engine_from_settings, load_agents
-
-
-def import_path() -> None:
-    """Let ``AGENTRUNS_AGENTS`` name modules in the working directory, as ``celery -A`` does."""
-    cwd = os.getcwd()
-    if cwd not in sys.path:
-        sys.path.insert(0, cwd)
 
 
 class Session:
@@ -97,7 +89,6 @@ class Session:
         return self._engine
 
     def _agents(self) -> list[Agent]:
-        import_path()
         try:
             return load_agents(self.settings.agent_modules)
         except AgentrunsError as exc:  # they import, but cannot be used together

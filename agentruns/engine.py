@@ -89,23 +89,7 @@ class Engine:
         self.store.check_schema()
         self.leases: Leases = leases if leases is not None else LocalLeases()
         self.scheduler: Scheduler = scheduler if scheduler is not None else LocalScheduler()
-        if secret == "":
-            # An empty HMAC key signs tokens anyone who reads a waiting run can forge.
-            raise ValueError("secret must not be empty (None: a random one for this process)")
-        if secret is None and isinstance(self.leases, RedisLeases):
-            # Runs move between the processes that share the leases: a token one of
-            # them mints must pass in another (SPEC: required outside the demo).
-            raise ValueError(
-                "secret is required with RedisLeases: every process that shares the leases"
-                " signs and checks resume tokens with the same one"
-            )
-        if secret is None:
-            warnings.warn(
-                "Engine has no secret: resume tokens will only be valid in this process",
-                stacklevel=2,
-            )
-            secret = secrets.token_urlsafe(32)
-        self.secret = secret
+        self.secret = _signing_key(secret, self.leases)
         self.owner = owner or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self.slots = slots
         self.lease_ttl = lease_ttl
@@ -636,6 +620,28 @@ class Engine:
     def on(self, event: EventType, listener: Callable[[Any], None]) -> Callable[[], None]:
         """Call ``listener`` with each ``event`` after its write commits; the unsubscribe."""
         return self.events.on(event, listener)
+
+
+def _signing_key(secret: str | None, leases: Leases) -> str:
+    """The key resume tokens are signed with: the engine's secret, or, with none and
+    in-process leases (the demo, tests), a random one good in this process only."""
+    if secret == "":
+        # An empty HMAC key signs tokens anyone who reads a waiting run can forge.
+        raise ValueError("secret must not be empty (None: a random one for this process)")
+    if secret is None and isinstance(leases, RedisLeases):
+        # Runs move between the processes that share the leases: a token one of
+        # them mints must pass in another (SPEC: required outside the demo).
+        raise ValueError(
+            "secret is required with RedisLeases: every process that shares the leases"
+            " signs and checks resume tokens with the same one"
+        )
+    if secret is None:
+        warnings.warn(
+            "Engine has no secret: resume tokens will only be valid in this process",
+            stacklevel=3,  # the caller of Engine()
+        )
+        secret = secrets.token_urlsafe(32)
+    return secret
 
 
 # How long the note that a live process gave a run's claim up is kept for recover().

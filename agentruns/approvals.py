@@ -19,7 +19,7 @@ from agentruns.agent import Agent
 from agentruns.errors import AgentrunsError, InvalidTokenError, NotifierError, UnknownAgentError
 from agentruns.events import Events
 from agentruns.leases.base import Leases
-from agentruns.runs import Run, RunStatus, is_utf8, utcnow
+from agentruns.runs import Run, RunStatus, WaitPoint, is_utf8, utcnow
 from agentruns.schedulers.base import Scheduler
 from agentruns.store.base import Commit, Committed, Guard, NewStep, Store, WaitRef
 
@@ -94,49 +94,14 @@ class Approvals:
         wait = run.waiting
         assert wait is not None and wait.tool_call_id is not None
         pending = dict(engine.store.pending(run.id) or {})
-        denied: str | None = None
         asked_again = pending_.unknown(pending.get(wait.tool_call_id))
-        if approved:
+        denied = None if approved else _denial(reason, asked_again)
+        if denied is None:
             pending[wait.tool_call_id] = pending_.approved(asked_again)
         else:
-            said = reason or "no reason given"
-            denied = f"The call was denied: {said}"
-            if asked_again:
-                # Asked to call it again: the model must not take it for never made.
-                denied = (
-                    "The call was not made again: a crash left the outcome of an earlier"
-                    f" attempt unknown (it may have happened), and calling it again was"
-                    f" denied: {said}"
-                )
             pending[wait.tool_call_id] = pending_.done(denied, is_error=True)
-        now = utcnow()
         agent = engine.agents.get(run.agent)
-        # The wait step spans the wait: from the pause to the answer.
-        asked = wait.expires_at - agent.approval_ttl if agent is not None else now
-        steps = [
-            NewStep(
-                kind="wait",
-                name=wait.tool_name,
-                input=wait.input,
-                output={"approval_id": wait.approval_id, "approved": approved, "reason": reason},
-                started_at=min(asked, now),
-                finished_at=now,
-            )
-        ]
-        if denied is not None:
-            # The model gets the denial as the call's result: a tool row records it,
-            # as it does every other result of a step (an approved call's, once it runs).
-            error = {"code": "approval_denied", "message": denied}
-            steps.append(
-                NewStep(
-                    kind="tool",
-                    name=wait.tool_name,
-                    input=wait.input,
-                    error=error,
-                    started_at=now,
-                    finished_at=now,
-                )
-            )
+        steps = _answer_steps(wait, agent, approved, reason, denied)
         with engine.events.writing(run.id):
             committed = engine.store.commit(
                 run,
@@ -299,3 +264,50 @@ class Approvals:
         finally:
             done.set()
             renewer.join()
+
+
+def _denial(reason: str | None, asked_again: bool) -> str:
+    """What the model is told of a denied call (the call's result, as an error)."""
+    said = reason or "no reason given"
+    if asked_again:
+        # Asked to call it again: the model must not take it for never made.
+        return (
+            "The call was not made again: a crash left the outcome of an earlier"
+            f" attempt unknown (it may have happened), and calling it again was"
+            f" denied: {said}"
+        )
+    return f"The call was denied: {said}"
+
+
+def _answer_steps(
+    wait: WaitPoint, agent: Agent | None, approved: bool, reason: str | None, denied: str | None
+) -> list[NewStep]:
+    """The ``wait`` step recording the answer, spanning the wait (from the pause to
+    now), and for a denial the tool row of the call's result."""
+    now = utcnow()
+    asked = wait.expires_at - agent.approval_ttl if agent is not None else now
+    steps = [
+        NewStep(
+            kind="wait",
+            name=wait.tool_name,
+            input=wait.input,
+            output={"approval_id": wait.approval_id, "approved": approved, "reason": reason},
+            started_at=min(asked, now),
+            finished_at=now,
+        )
+    ]
+    if denied is not None:
+        # The model gets the denial as the call's result: a tool row records it, as
+        # it does every other result of a step (an approved call's, once it runs).
+        error = {"code": "approval_denied", "message": denied}
+        steps.append(
+            NewStep(
+                kind="tool",
+                name=wait.tool_name,
+                input=wait.input,
+                error=error,
+                started_at=now,
+                finished_at=now,
+            )
+        )
+    return steps

@@ -303,6 +303,14 @@ _NO_SUCH_STATEMENT = "26000"
 
 
 def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> dict[str, Any]:
+    """The parameters of a guarded write (commit.sql with append_many.sql, or with
+    append_one.sql for one step and one message): the run's columns, then its rows."""
+    params = _run_params(run_id, guard, commit, now)
+    params.update(_rows_params(commit))
+    return params
+
+
+def _run_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> dict[str, Any]:
     usage = commit.usage
     final = commit.status is not None and commit.status.is_final
     params = {
@@ -341,27 +349,33 @@ def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> d
         ),
         "release": commit.release_claim,
     }
+    return params
+
+
+def _rows_params(commit: Commit) -> dict[str, Any]:
     steps, messages = commit.steps, commit.messages
     if _one_step_one_message(commit):  # COMMIT_ONE's parameters
         step = steps[0]
-        params["step_kind"] = step.kind
-        params["step_name"] = step.name
-        params["step_input"] = dumps(step.input) if step.input is not None else None
-        params["step_output"] = dumps(step.output) if step.output is not None else None
-        params["step_error"] = dumps(step.error) if step.error is not None else None
-        params["step_started_at"] = step.started_at
-        params["step_finished_at"] = step.finished_at
-        params["message"] = dumps(messages[0])
-    else:
-        params["step_kinds"] = dumps([s.kind for s in steps])
-        params["step_names"] = dumps([s.name for s in steps])
-        params["step_inputs"] = dumps([s.input for s in steps])
-        params["step_outputs"] = dumps([s.output for s in steps])
-        params["step_errors"] = dumps([s.error for s in steps])
-        params["step_started_at"] = dumps([s.started_at.isoformat() for s in steps])
-        params["step_finished_at"] = dumps([s.finished_at.isoformat() for s in steps])
-        params["messages"] = dumps(messages)
-    return params
+        return {
+            "step_kind": step.kind,
+            "step_name": step.name,
+            "step_input": dumps(step.input) if step.input is not None else None,
+            "step_output": dumps(step.output) if step.output is not None else None,
+            "step_error": dumps(step.error) if step.error is not None else None,
+            "step_started_at": step.started_at,
+            "step_finished_at": step.finished_at,
+            "message": dumps(messages[0]),
+        }
+    return {
+        "step_kinds": dumps([s.kind for s in steps]),
+        "step_names": dumps([s.name for s in steps]),
+        "step_inputs": dumps([s.input for s in steps]),
+        "step_outputs": dumps([s.output for s in steps]),
+        "step_errors": dumps([s.error for s in steps]),
+        "step_started_at": dumps([s.started_at.isoformat() for s in steps]),
+        "step_finished_at": dumps([s.finished_at.isoformat() for s in steps]),
+        "messages": dumps(messages),
+    }
 
 
 def _one_step_one_message(commit: Commit) -> bool:

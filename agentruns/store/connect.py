@@ -91,31 +91,39 @@ def _make_engine(url: str, **kwargs: Any) -> Engine:
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
     _check_supported(url)
     if url.startswith("sqlite"):
-        engine = sa.create_engine(
-            url,
-            json_serializer=dumps,
-            connect_args={"check_same_thread": False, "timeout": 30},
-            **kwargs,
-        )
+        return _sqlite_engine(url, **kwargs)
+    return _postgres_engine(url, **kwargs)
 
-        @sa.event.listens_for(engine, "connect")
-        def _on_connect(dbapi_conn: Any, _record: Any) -> None:
-            # Let SQLAlchemy's "begin" below decide when a transaction starts.
-            dbapi_conn.isolation_level = None
-            cur = dbapi_conn.cursor()
-            cur.execute("PRAGMA journal_mode=WAL")
-            cur.execute("PRAGMA busy_timeout=30000")
-            cur.close()
 
-        @sa.event.listens_for(engine, "begin")
-        def _on_begin(conn: Connection) -> None:
-            # IMMEDIATE takes the write lock up front, so two writers queue on
-            # busy_timeout instead of failing with "database is locked". A read
-            # takes no lock: in WAL mode it reads its snapshot while a write goes on.
-            read_only = conn.get_execution_options().get(READ_ONLY, False)
-            conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+def _sqlite_engine(url: str, **kwargs: Any) -> Engine:
+    engine = sa.create_engine(
+        url,
+        json_serializer=dumps,
+        connect_args={"check_same_thread": False, "timeout": 30},
+        **kwargs,
+    )
 
-        return engine
+    @sa.event.listens_for(engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Let SQLAlchemy's "begin" below decide when a transaction starts.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA busy_timeout=30000")
+        cur.close()
+
+    @sa.event.listens_for(engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        # IMMEDIATE takes the write lock up front, so two writers queue on
+        # busy_timeout instead of failing with "database is locked". A read
+        # takes no lock: in WAL mode it reads its snapshot while a write goes on.
+        read_only = conn.get_execution_options().get(READ_ONLY, False)
+        conn.exec_driver_sql("BEGIN" if read_only else "BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _postgres_engine(url: str, **kwargs: Any) -> Engine:
     # Connections are opened as needed and then kept, never opened for a burst and
     # closed after it ("overflow"): a new Postgres connection costs milliseconds of
     # CPU on both sides and starts with no prepared statements, and bursts are

@@ -38,9 +38,43 @@ def new_run(
     if found is None:
         raise UnknownAgentError(name)
     envelope = _envelope(trigger)
+    idempotency_key, concurrency_key, thread = _keys(
+        found, envelope, idempotency_key, concurrency_key, thread
+    )
+    return NewRun(
+        id=str(uuid.uuid4()),
+        agent=name,
+        trigger=envelope,
+        idempotency_key=idempotency_key,
+        concurrency_key=concurrency_key,
+        thread=thread,
+        budget=_limits(found.budget, budget),
+    )
+
+
+def _limits(agent: Budget, budget: Budget | dict[str, Any] | None) -> Budget | None:
+    """A run's own budget: the agent's, with the limits a dispatch names replaced."""
+    if budget is None:
+        return None
+    try:
+        given = Budget.model_validate(budget)
+    except ValidationError as exc:
+        raise InvalidTriggerError(f"invalid budget: {exc}") from None
+    return agent.model_copy(update=given.model_dump(exclude_unset=True))
+
+
+def _keys(
+    agent: Agent,
+    envelope: TriggerEnvelope,
+    idempotency_key: str | None,
+    concurrency_key: str | None,
+    thread: str | None,
+) -> tuple[str | None, str | None, str | None]:
+    """A run's idempotency key, concurrency key and thread: as given, else from the
+    trigger (its id, its thread) and the agent (its key); checked."""
     if concurrency_key is None:
         # The agent's key is checked as one given to dispatch is: "" refused too.
-        concurrency_key = found.key_for(envelope)
+        concurrency_key = agent.key_for(envelope)
     for what, text in (
         ("idempotency_key", idempotency_key),
         ("concurrency_key", concurrency_key),
@@ -70,26 +104,7 @@ def new_run(
             raise InvalidTriggerError(f"{what} is {len(text)} characters long; at most {room} fit")
         if text is not None and "\x00" in text:
             raise InvalidTriggerError(f"{what} must not hold a NUL character: {text!r}")
-    return NewRun(
-        id=str(uuid.uuid4()),
-        agent=name,
-        trigger=envelope,
-        idempotency_key=idempotency_key,
-        concurrency_key=concurrency_key,
-        thread=thread,
-        budget=_limits(found.budget, budget),
-    )
-
-
-def _limits(agent: Budget, budget: Budget | dict[str, Any] | None) -> Budget | None:
-    """A run's own budget: the agent's, with the limits a dispatch names replaced."""
-    if budget is None:
-        return None
-    try:
-        given = Budget.model_validate(budget)
-    except ValidationError as exc:
-        raise InvalidTriggerError(f"invalid budget: {exc}") from None
-    return agent.model_copy(update=given.model_dump(exclude_unset=True))
+    return idempotency_key, concurrency_key, thread
 
 
 def _envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelope:

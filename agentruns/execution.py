@@ -218,7 +218,8 @@ class Execution:
             beyond = len(messages) - stored.checkpoint_messages
             # Past the checkpoint there can only be the saved response of the step in
             # progress (with the start messages, if the first step is in progress).
-            in_progress = messages[-1].get("role") == "assistant"
+            last = messages[-1]  # a row edited by hand may hold any JSON: validate says
+            in_progress = isinstance(last, dict) and last.get("role") == "assistant"
             first_step = stored.checkpoint_step is None
             if not (beyond == 0 or (in_progress and (beyond == 1 or first_step))):
                 raise InvalidCheckpointError(

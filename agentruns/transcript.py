@@ -62,7 +62,7 @@ def _check_calls(message: Message, index: int) -> None:
 
 
 def check_answered(calls: list[dict[str, Any]], answer: Message, index: int) -> None:
-    content = answer.get("content")
+    content = answer.get("content") if isinstance(answer, dict) else None  # edited by hand
     blocks = content if isinstance(content, list) else []
     answered = {
         b.get("tool_use_id")

@@ -2177,6 +2177,10 @@ def _without_input(body: dict[str, Any]) -> str:
         ("postgres", 2, lambda body: '{"role": "assistant"}'),  # no content
         ("postgres", 1, _without_input),  # a call the model could not be sent again
         ("sqlite", 2, lambda body: "not JSON"),  # SQLite keeps any text
+        # JSON, but no message: the last one was taken for one (internal_error).
+        ("postgres", 2, lambda body: '"junk"'),
+        ("sqlite", 2, lambda body: "[1, 2]"),
+        ("postgres", 2, lambda body: "null"),
     ],
 )
 def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
@@ -2206,6 +2210,8 @@ def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
     assert failed.status is RunStatus.FAILED
     assert failed.error is not None and failed.error.code == "invalid_checkpoint"
     assert worker.recover() == []  # failed once, not claimed again and again
+    with contextlib.suppress(InvalidCheckpointError):  # a read says so, or reads it
+        worker.checkpoint(run.id)
     healthy = worker.dispatch("a", trigger({"n": 2}))
     assert worker.idle(10)
     assert worker.get_run(healthy.id).status is RunStatus.COMPLETED

@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from pydantic import ValidationError
 from sqlalchemy.engine import Connection, RowMapping
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
@@ -233,18 +234,25 @@ class SqlStore:
         return row
 
     def checkpoint(self, run_id: str) -> Checkpoint | None:
-        with self._reads.connect() as conn:
-            row = self._require(conn, run_id)
-            if row["checkpoint_step"] is None:
-                return None
+        try:
+            with self._reads.connect() as conn:
+                row = self._require(conn, run_id)
+                if row["checkpoint_step"] is None:
+                    return None
+                messages = history.messages(conn, row["key"], row["checkpoint_messages"])
             return Checkpoint(
                 run_id=run_id,
                 step_index=row["checkpoint_step"],
-                messages=history.messages(conn, row["key"], row["checkpoint_messages"]),
+                messages=messages,
                 finish_reason=row["checkpoint_reason"],
                 state=row["state"],
                 created_at=aware(row["checkpoint_at"]),
             )
+        except ValueError as exc:  # rows edited by hand: not JSON, or not a message
+            said = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+            raise InvalidCheckpointError(
+                f"run {run_id}'s checkpoint cannot be read: {said}"
+            ) from None
 
     def transcript(self, run_id: str) -> Transcript:
         with self._reads.connect() as conn:

@@ -42,6 +42,15 @@ class Settings(BaseSettings):
         # `AGENTRUNS_SECRET=` in an env file means "not set", not "sign with no key".
         return value or None
 
+    @field_validator("queue")
+    @classmethod
+    def _a_queue_name(cls, value: str) -> str:
+        # `AGENTRUNS_QUEUE=` (an unset variable in a compose file) named the queue "":
+        # producers' messages went where workers did not look, and were lost unsaid.
+        if not value.strip():
+            raise ValueError("the Celery queue's name must not be empty (unset: agentruns)")
+        return value
+
     @field_validator("database_url")
     @classmethod
     def _a_database_url(cls, value: str) -> str:

@@ -40,6 +40,14 @@ def test_times_that_are_not_a_finite_positive_number_of_seconds_are_refused(
         Settings()
 
 
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_queue_name_is_refused(value: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Workers consumed a queue named "", and producers' dispatches were lost unsaid.
+    monkeypatch.setenv("AGENTRUNS_QUEUE", value)
+    with pytest.raises(ValidationError, match="queue's name must not be empty"):
+        Settings()
+
+
 def test_an_engine_refuses_lease_and_requeue_times_that_are_not_finite(sqlite_url: str) -> None:
     for times in (
         {"lease_ttl": float("inf")},

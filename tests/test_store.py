@@ -476,6 +476,38 @@ def test_the_hot_path_prepares_its_statements_again_after_they_are_dropped(db_ur
     store.close()
 
 
+def test_the_hot_path_keeps_its_statements_when_psycopg_deallocates_its_own(
+    db_url: str,
+) -> None:
+    # A transaction of psycopg's auto-prepared queries that rolled back (an effect's
+    # fence refusing a write) made psycopg send DEALLOCATE ALL; a statement dropped
+    # there then cleared the hot path's whole cache, and one prepared since was
+    # "already" prepared: every write of it failed on that connection (a run failed
+    # with internal_error), until the pool replaced the connection.
+    store = SqlStore(db_url, pool_size=1, max_overflow=0)
+    run, guard = _running(store)
+    assert store.claim(run.id, "me", utcnow()) is None  # the claim is prepared
+
+    in_transaction = store._atomic  # as an effect's record is written
+
+    def rolled_back() -> None:
+        with in_transaction.begin() as conn:
+            conn.execute(sa.text("SELECT 1 WHERE 1 = :x"), {"x": 1})
+            raise LookupError("refused")
+
+    for _ in range(6):  # psycopg prepares a query it has run five times
+        with in_transaction.begin() as conn:
+            conn.execute(sa.text("SELECT 1 WHERE 1 = :x"), {"x": 1})
+    with pytest.raises(LookupError):
+        rolled_back()  # psycopg: DEALLOCATE ALL
+    assert store.commit(run, guard, Commit(steps=[_step()], durable=False)) is not None
+    assert store.claim(run.id, "me", utcnow()) is None  # dropped: prepared again
+    for n in range(2):
+        committed = store.commit(run, guard, Commit(steps=[_step()], durable=False))
+        assert committed is not None and [s.index for s in committed.steps] == [n + 1]
+    store.close()
+
+
 def test_a_hot_statement_is_refused_on_a_connection_inside_a_transaction(db_url: str) -> None:
     # Inside someone's transaction a write would not be its own, nor committed. (The
     # pool rolls back what it gets back, so this guards against a leak around it.)

@@ -243,8 +243,11 @@ class _Session:
             self._prepare(statement)
         result = pgconn.exec_prepared(statement.wire_name, values)
         if result.status != pq.ExecStatus.TUPLES_OK and _sqlstate(result) == _NO_SUCH_STATEMENT:
-            # Prepared statements were dropped under us (DISCARD ALL): prepare again.
-            self.prepared.clear()
+            # Dropped under us (a proxy's DISCARD ALL; psycopg's own DEALLOCATE ALL when
+            # a transaction of its auto-prepared queries rolls back): prepare it again.
+            # Only this one: those prepared since are still there, and each that was
+            # dropped too says so when next used.
+            self.prepared.discard(statement.name)
             self._prepare(statement)
             result = pgconn.exec_prepared(statement.wire_name, values)
         self._check(result, pq.ExecStatus.TUPLES_OK)
@@ -256,7 +259,8 @@ class _Session:
 
     def _prepare(self, statement: Prepared) -> None:
         result = self.driver.pgconn.prepare(statement.wire_name, statement.wire_text)
-        self._check(result, pq.ExecStatus.COMMAND_OK)
+        if _sqlstate(result) != _ALREADY_PREPARED:  # by this session, under its one name
+            self._check(result, pq.ExecStatus.COMMAND_OK)
         self.prepared.add(statement.name)
 
     def _check(self, result: pq.abc.PGresult, expected: pq.ExecStatus) -> None:
@@ -300,6 +304,7 @@ MOST_BYTES = 2**30 - 2**20
 
 _SESSION = "agentruns.session"
 _NO_SUCH_STATEMENT = "26000"
+_ALREADY_PREPARED = "42P05"
 
 
 def commit_params(run_id: str, guard: Guard, commit: Commit, now: datetime) -> dict[str, Any]:

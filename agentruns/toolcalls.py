@@ -119,6 +119,10 @@ class ToolCaller:
         self, tool: Tool, arguments: dict[str, Any], ctx: ToolContext, again: bool
     ) -> Outcome | Wait:
         record = self.effects.get(ctx.tool_call_id)
+        if record is not None and not record.done:
+            # Read again: an execution that lost the run while the call ran records its
+            # result when its worker goes on (one paused past its lease, say).
+            record = self.store.effects(self.run_id).get(ctx.tool_call_id, record)
         if record is not None and record.done:
             return _recorded(record.result, record.is_error)
         # An intent without a result: the call may have happened. An approval of the
@@ -131,8 +135,8 @@ class ToolCaller:
             # The one event an operator most needs to hear of: a side effect that may
             # now happen twice, unless the far side deduplicates by the key.
             log.warning(
-                "run %s calls effect tool %s again (idempotency key %s): a crash left the"
-                " outcome of its first attempt unknown",
+                "run %s calls effect tool %s again (idempotency key %s): the outcome of its"
+                " first attempt is unknown (its worker died, or lost the run, during the call)",
                 self.run_id,
                 tool.name,
                 ctx.idempotency_key,

@@ -53,11 +53,17 @@ def spawn(
     procs: list[subprocess.Popen[bytes]] = []
 
     def start(
-        run_id: str, hang: str | None = None, lease_ttl: float = 1.0, clock_ahead: float = 0
+        run_id: str,
+        hang: str | None = None,
+        lease_ttl: float = 1.0,
+        clock_ahead: float = 0,
+        pause: str | None = None,
     ) -> Helper:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "AGENTRUNS_TEST_LOG": str(log)}
         if hang:
             env["AGENTRUNS_TEST_HANG"] = hang
+        if pause:
+            env["AGENTRUNS_TEST_PAUSE"] = pause
         if clock_ahead:
             env["AGENTRUNS_TEST_CLOCK_AHEAD"] = str(clock_ahead)
         proc = subprocess.Popen(
@@ -189,6 +195,30 @@ def test_effect_tool_runs_once_when_killed_after_it_ran_before_its_step_was_save
     assert len(charges) == 1
     tool_steps = [s for s in rescuer.steps(run.id) if s.kind == "tool"]
     assert [s.name for s in tool_steps] == ["charge", "slow"]
+    assert tool_steps[0].output == {"charged": 5, "key": charges[0].split()[1]}
+
+
+def test_an_effect_call_a_stopped_owner_finished_is_recorded_and_not_made_again(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    # A worker paused past its lease inside an effect tool finished the call when it
+    # went on, but its result record was refused (fenced by epoch): the next
+    # execution found an intent without a result and made the call again, no crash
+    # involved.
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("effects", trigger({}))
+    helper = spawn(run.id, pause="charge")  # charge takes a second
+    helper.wait_for_line("charge ")
+    helper.proc.send_signal(signal.SIGSTOP)
+    rescuer = make_engine(AGENTS, scheduler=ManualScheduler())
+    recover_when_lease_expires(rescuer, run.id)  # requeued; executed below
+    helper.proc.send_signal(signal.SIGCONT)
+    assert helper.proc.wait(timeout=20) == 0
+    assert "error LeaseLostError" in helper.lines()
+    assert rescuer.execute(run.id).status is RunStatus.COMPLETED
+    charges = [line for line in helper.lines() if line.startswith("charge")]
+    assert len(charges) == 1, charges
+    tool_steps = [s for s in rescuer.steps(run.id) if s.kind == "tool"]
     assert tool_steps[0].output == {"charged": 5, "key": charges[0].split()[1]}
 
 

@@ -336,6 +336,35 @@ def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url:
     store.close()
 
 
+@pytest.mark.parametrize("url", ["db_url", "sqlite_url"])
+def test_an_effects_result_from_an_execution_that_lost_the_run_is_kept_unless_one_is(
+    request: pytest.FixtureRequest, url: str
+) -> None:
+    # The call happened: its result is recorded (and LeaseLostError raised), but it
+    # does not replace one the run's holder has recorded since.
+    store = SqlStore(request.getfixturevalue(url))
+    for holder_first in (False, True):
+        run, _ = store.create_run(new_run())
+        stale = store.claim(run.id, "paused", utcnow() - timedelta(seconds=1))
+        assert stale is not None
+        store.begin_effect(run.id, stale.epoch, "toolu_1", "charge", "key")
+        ref = next(r for r in store.sweep_candidates(utcnow()) if r.id == run.id)
+        assert store.requeue(ref) is not None
+        holder = store.claim(run.id, "holder", soon())
+        assert holder is not None
+        if holder_first:
+            store.begin_effect(run.id, holder.epoch, "toolu_1", "charge", "key")
+            store.finish_effect(run.id, holder.epoch, "toolu_1", "the holder's", False)
+        with pytest.raises(LeaseLostError):
+            store.finish_effect(run.id, stale.epoch, "toolu_1", "the paused one's", False)
+        record = store.effects(run.id)["toolu_1"]
+        assert record.done
+        assert record.result == ("the holder's" if holder_first else "the paused one's")
+        with pytest.raises(LeaseLostError):  # and it starts no call
+            store.begin_effect(run.id, stale.epoch, "toolu_2", "charge", "key2")
+    store.close()
+
+
 def test_the_database_allows_one_running_run_per_concurrency_key(db_url: str) -> None:
     store = SqlStore(db_url)
     older, _ = store.create_run(new_run(key="k"))

@@ -54,14 +54,18 @@ class Effects:
             }
 
     def _fence(self, conn: Connection, run_id: str, epoch: int) -> None:
-        # Locks the run row for the transaction, so a new claim waits for this write.
+        if not self._holds(conn, run_id, epoch):
+            raise LeaseLostError(run_id)
+
+    def _holds(self, conn: Connection, run_id: str, epoch: int) -> bool:
+        """Does the execution of ``epoch`` still hold the run? If so, the run row is
+        locked for the transaction, so a new claim waits for this write."""
         result = conn.execute(
             R.update()
             .where(R.c.id == run_id, status_of_one == RunStatus.RUNNING.value, R.c.epoch == epoch)
             .values(epoch=R.c.epoch)
         )
-        if result.rowcount != 1:
-            raise LeaseLostError(run_id)
+        return result.rowcount == 1
 
     def begin(self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str) -> None:
         """Record the intent to call an effect tool (kept if one is already recorded)."""
@@ -86,19 +90,30 @@ class Effects:
         """Record an effect tool's result. The one write whose loss repeats a side
         effect (recovery finds an intent without a result): a connection that died
         while the tool ran (a restart, a killed backend) is tried again on a new one,
-        for a few seconds. The write is fenced and sets what it sets: safe to repeat."""
+        for a few seconds. It sets what it sets: safe to repeat.
+
+        An execution that lost the run while the tool ran (its worker paused or cut
+        off past its lease) still records what the call did, unless a result is
+        recorded already, and then raises ``LeaseLostError``: the side effect
+        happened, and the next execution returns it instead of calling again. It is
+        a fact about the call, not a step of the run, which it does not touch."""
         deadline: float | None = None  # from the first failure on
         for pause in (*_FINISH_EFFECT_PAUSES_S, None):
             try:
                 with self._atomic.begin() as conn:
-                    self._fence(conn, run_id, epoch)
+                    holds = self._holds(conn, run_id, epoch)
+                    record = E.update().where(
+                        E.c.run_id == run_id, E.c.tool_call_id == tool_call_id
+                    )
+                    if not holds:  # the run's holder may have recorded a call of its own
+                        record = record.where(E.c.status == "started")
                     conn.execute(
-                        E.update()
-                        .where(E.c.run_id == run_id, E.c.tool_call_id == tool_call_id)
-                        .values(
+                        record.values(
                             status="done", result=result, is_error=is_error, finished_at=utcnow()
                         )
                     )
+                if not holds:
+                    raise LeaseLostError(run_id)
                 return
             except DATABASE_OUTAGE as exc:
                 # For a few seconds from the first failure: a silent server (each try

@@ -2,7 +2,8 @@
 
 Tools append lines to the file named by ``AGENTRUNS_TEST_LOG`` so a test can
 count calls across processes. ``AGENTRUNS_TEST_HANG`` names a tool that hangs
-in the process where it is set (so the test can kill it at that point).
+in the process where it is set (so the test can kill it at that point);
+``AGENTRUNS_TEST_PAUSE`` one that takes a second (so the test can stop it there).
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ def hang_here(name: str) -> None:
     if os.environ.get("AGENTRUNS_TEST_HANG") == name:
         log(f"hanging {name}")
         time.sleep(3600)
+    if os.environ.get("AGENTRUNS_TEST_PAUSE") == name:
+        time.sleep(1.0)
 
 
 @tool

@@ -13,6 +13,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from datetime import datetime
 from typing import TYPE_CHECKING, Any, Literal, Unpack, overload
 
 from agentruns import intake
@@ -514,6 +515,11 @@ class Engine:
         was lost (``recovery.py``). The ids requeued."""
         with self._calling():
             return self._recovery.recover()
+
+    def hold(self, run_id: str) -> tuple[int, datetime | None]:
+        """How many of the run's executions were lost with their workers in a row at its
+        step, and when ``recover`` may requeue it if it is held back for them now."""
+        return self._recovery.hold(intake.run_id(run_id))
 
     def drain(self, timeout: float | None = None) -> None:
         """Stop claiming; abort in-flight runs, which settle ``interrupted`` and release claims."""

@@ -109,12 +109,30 @@ class Recovery:
             return None
         # Its execution ended with its process (a live one notes what it gives up).
         lost = not host.leases.given_up(ref.id, ref.epoch)
-        # A cancel is not held back: the run settles once an execution claims it.
-        if lost and ref.losses and not ref.cancel_requested:
-            lost_at = ref.claim_expires_at or ref.updated_at
-            if now < held_until(ref.id, lost_at, ref.losses, host.requeue_after):
-                return None  # lost again at the step it was lost at: it waits its turn
+        ends = self._hold_ends(ref) if lost else None
+        if ends is not None and now < ends:
+            return None  # lost again at the step it was lost at: it waits its turn
         return lost
+
+    def hold(self, run_id: str) -> tuple[int, datetime | None]:
+        """How many of a run's executions were lost with their workers in a row at its
+        step, and, if it is running unclaimed and held back for them, when ``recover``
+        may requeue it."""
+        ref = self.host.store.run_ref(run_id)
+        if ref is None:
+            return 0, None
+        if ref.status is not RunStatus.RUNNING or self.host.leases.given_up(ref.id, ref.epoch):
+            return ref.losses, None
+        return ref.losses, self._hold_ends(ref)
+
+    def _hold_ends(self, ref: RunRef) -> datetime | None:
+        """When a running run lost with its worker may be requeued, if it is held back
+        (lost before at this step; a cancel is not held back: the run settles once an
+        execution claims it)."""
+        if not ref.losses or ref.cancel_requested:
+            return None
+        lost_at = ref.claim_expires_at or ref.updated_at
+        return held_until(ref.id, lost_at, ref.losses, self.host.requeue_after)
 
 
 def _why_requeued(ref: RunRef, lost: bool) -> str:

@@ -23,7 +23,16 @@ import psycopg
 import pytest
 from pydantic import ValidationError
 
-from agentruns import Agent, Engine, LocalLeases, LocalScheduler, RunStatus, SqlStore, tool
+from agentruns import (
+    Agent,
+    Engine,
+    LocalLeases,
+    LocalScheduler,
+    RedisLeases,
+    RunStatus,
+    SqlStore,
+    tool,
+)
 from agentruns.cli import main, render
 from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text, tool_use
@@ -282,6 +291,12 @@ def test_show_and_cancel_say_when_no_worker_holds_a_running_run(
     other_day = ends.astimezone().date() != utcnow().astimezone().date()
     assert f"requeues it once its hold ends, at {render.clock(ends, date=other_day)})" in out
     assert "losses    1 in a row at its step, each with its worker" in out
+    # Let go by a live worker (an outage): recover requeues it at once, and so says show.
+    leases = RedisLeases(REDIS_URL)
+    leases.give_up(run.id, lost.epoch, 60)
+    leases.close()
+    code, out, _ = cli("show", run.id)
+    assert "(expired: `agentruns recover` requeues it)" in out
     engine.close()
     code, out, _ = cli("cancel", run.id)
     assert code == 0 and "no worker holds it now" in out

@@ -365,6 +365,46 @@ def test_an_effects_result_from_an_execution_that_lost_the_run_is_kept_unless_on
     store.close()
 
 
+def test_a_loss_counted_while_the_sweep_forgets_stale_counts_is_kept(db_url: str) -> None:
+    # The sweep's delete found a count stale (lost at step 3, the run at step 4); a
+    # requeue meanwhile counted a loss at step 5, the run's step now. Postgres read
+    # the count again, but judged it against the run as the delete first saw it
+    # (step 4): the fresh count was deleted.
+    store = SqlStore(db_url)
+    run, _ = store.create_run(new_run())
+    url = db_url.replace("+psycopg", "")
+    with psycopg.connect(url, autocommit=True) as conn, psycopg.connect(url) as requeue:
+        conn.execute(
+            "UPDATE agentruns_runs SET status = 'running', step_count = 4 WHERE id = %s",
+            (run.id,),
+        )
+        conn.execute("INSERT INTO agentruns_crashes VALUES (%s, 3, 2)", (run.id,))
+        requeue.execute("SELECT 1 FROM agentruns_crashes WHERE run_id = %s FOR UPDATE", (run.id,))
+        sweep = threading.Thread(target=store.forget_losses)
+        sweep.start()
+
+        def waiting() -> bool:
+            return bool(
+                conn.execute(
+                    "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE 'DELETE FROM agentruns_crashes%%'"
+                ).fetchone()
+            )
+
+        wait_for(waiting, "the delete to wait for the row")
+        conn.execute("UPDATE agentruns_runs SET step_count = 5 WHERE id = %s", (run.id,))
+        requeue.execute(
+            "UPDATE agentruns_crashes SET at_step = 5, times = 1 WHERE run_id = %s", (run.id,)
+        )
+        requeue.commit()
+        sweep.join(timeout=10)
+        rows = conn.execute(
+            "SELECT at_step, times FROM agentruns_crashes WHERE run_id = %s", (run.id,)
+        ).fetchall()
+    assert rows == [(5, 1)]
+    store.close()
+
+
 def test_the_database_allows_one_running_run_per_concurrency_key(db_url: str) -> None:
     store = SqlStore(db_url)
     older, _ = store.create_run(new_run(key="k"))

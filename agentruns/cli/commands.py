@@ -8,11 +8,13 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import redis
+
 from agentruns.cli import render
 from agentruns.cli.errors import BAD_INPUT, CliError, first_line
 from agentruns.cli.session import Session
 from agentruns.engine import Engine
-from agentruns.recovery import held_until
+from agentruns.leases import RedisLeases
 from agentruns.runs import Run, RunStatus, utcnow
 from agentruns.store.connect import shown_url
 
@@ -76,10 +78,9 @@ def cmd_show(session: Session, args: argparse.Namespace) -> int:
     steps = engine.steps(run.id)
     session.json({"run": render.run_json(run, steps)})
     unsettled = run.status in (RunStatus.RUNNING, RunStatus.QUEUED)
-    losses = engine.store.losses(run.id) if unsettled else 0
-    hold = None
-    if losses and run.claim is not None and not run.cancel_requested:
-        hold = held_until(run.id, run.claim.expires_at, losses, engine.requeue_after)
+    losses, hold = engine.hold(run.id) if unsettled else (0, None)
+    if hold is not None and _given_up(session, engine, run.id):
+        hold = None  # let go by a live worker: recover requeues it at once
     session.say(render.header(run, losses, hold))
     session.say()
     session.say(render.timeline(run, steps))
@@ -229,6 +230,22 @@ def _report_run(session: Session, run: Run) -> int:
         session.say(f"  approve: agentruns approve {token}{session.secret_note()}")
         session.say(f"  or:      agentruns approve --run {run.id}   /   deny --run {run.id}")
     return 0
+
+
+def _given_up(session: Session, engine: Engine, run_id: str) -> bool:
+    """Did a live worker let the run's claim go (an outage, a lost lease)? A note in
+    Redis, which reads leave out of their engine: asked here, briefly."""
+    url = session.settings.redis_url
+    ref = engine.store.run_ref(run_id)
+    if not url or ref is None:
+        return False
+    client = redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2)
+    try:
+        return RedisLeases(url, client=client).given_up(run_id, ref.epoch)
+    except redis.RedisError:
+        return False  # unknown: the hold shown is recover's for a run lost with its worker
+    finally:
+        client.close()
 
 
 def _unheld(engine: Engine, run_id: str) -> bool:

@@ -129,7 +129,7 @@ def run_line(run: Run) -> str:
 def header(run: Run, losses: int = 0, held_until: datetime | None = None) -> str:
     """The run's fields, one a line; ``losses``: its executions lost with their
     workers in a row at its step (``Store.losses``), and ``held_until``: when recover
-    may requeue it, lost again (``recovery.held_until``)."""
+    may requeue it, lost again (``Engine.hold``)."""
     end = run.finished_at or utcnow()
     age = duration((end - run.created_at).total_seconds())
     trigger = run.trigger

@@ -72,6 +72,33 @@ _LOST_AT_ITS_STEP = sa.and_(C.c.run_id == R.c.id, C.c.at_step == R.c.step_count)
 _NOT_FINAL = [status.value for status in RunStatus if not status.is_final]
 
 
+# What the sweeps read of runs: with the losses counted at the run's step (none,
+# for most runs; 0 once it got on, or was drained).
+_REFS = sa.select(
+    R.c.id,
+    R.c.status,
+    R.c.epoch,
+    R.c.updated_at,
+    R.c.claim_expires_at,
+    R.c.step_count,
+    R.c.cancel_requested,
+    sa.func.coalesce(C.c.times, 0).label("losses"),
+).select_from(R.outerjoin(C, _LOST_AT_ITS_STEP))
+
+
+def _ref(r: RowMapping) -> RunRef:
+    return RunRef(
+        id=r["id"],
+        status=RunStatus(r["status"]),
+        epoch=r["epoch"],
+        updated_at=aware(r["updated_at"]) or utcnow(),
+        claim_expires_at=aware(r["claim_expires_at"]),
+        step=r["step_count"],
+        losses=r["losses"],
+        cancel_requested=r["cancel_requested"],
+    )
+
+
 class SqlStore:
     """Runs, steps, messages and effect records in SQL, every write to a run guarded."""
 
@@ -449,19 +476,8 @@ class SqlStore:
         that are first in their key's line (the others wait for the run ahead of them
         to finish, which schedules the next: a long line is not requeued, nor sent an
         execution that can claim nothing, on every sweep)."""
-        # With the losses counted at the run's step (none, for most runs).
-        query = sa.select(
-            R.c.id,
-            R.c.status,
-            R.c.epoch,
-            R.c.updated_at,
-            R.c.claim_expires_at,
-            R.c.step_count,
-            R.c.cancel_requested,
-            sa.func.coalesce(C.c.times, 0).label("losses"),
-        ).select_from(R.outerjoin(C, _LOST_AT_ITS_STEP))
         # The statuses in literals: a generic plan of parameters scanned the table.
-        query = query.where(
+        query = _REFS.where(
             sa.or_(
                 R.c.status.in_(
                     [literal(RunStatus.INTERRUPTED.value), literal(RunStatus.RUNNING.value)]
@@ -474,19 +490,13 @@ class SqlStore:
             )
         ).order_by(R.c.created_at)
         with self._reads.connect() as conn:
-            return [
-                RunRef(
-                    id=r.id,
-                    status=RunStatus(r.status),
-                    epoch=r.epoch,
-                    updated_at=aware(r.updated_at) or utcnow(),
-                    claim_expires_at=aware(r.claim_expires_at),
-                    step=r.step_count,
-                    losses=r.losses,
-                    cancel_requested=r.cancel_requested,
-                )
-                for r in conn.execute(query)
-            ]
+            return [_ref(r) for r in conn.execute(query).mappings()]
+
+    def run_ref(self, run_id: str) -> RunRef | None:
+        """The run as the sweeps see it (with its losses at its step), if it exists."""
+        with self._reads.connect() as conn:
+            row = conn.execute(_REFS.where(R.c.id == run_id)).mappings().first()
+        return _ref(row) if row is not None else None
 
     def requeue(self, ref: RunRef, count_loss: bool = False) -> Run | None:
         """Put a run back to queued if it is still exactly as swept (so one sweeper wins).
@@ -519,21 +529,22 @@ class SqlStore:
                 conn.execute(C.delete().where(C.c.run_id == ref.id))
         return run_from_row(row) if row is not None else None
 
-    def losses(self, run_id: str) -> int:
-        """How many of the run's executions were lost with their workers in a row at
-        its step (0 once it got on, or was drained)."""
-        query = sa.select(C.c.times).select_from(C.join(R, _LOST_AT_ITS_STEP))
-        with self._reads.connect() as conn:
-            return int(conn.execute(query.where(C.c.run_id == run_id)).scalar() or 0)
-
     def forget_losses(self) -> int:
         """Delete the counts of losses that no longer count: of runs that got on past the
         step they were lost at, settled, or are gone. Rows are written only when an
         execution is lost, so the sweep deletes them (the hot path never looks); how
         many it deleted."""
-        counted = sa.exists().where(_LOST_AT_ITS_STEP, R.c.status.in_(_NOT_FINAL))
+        # Said of the run as it is now (past the step, or settled: neither is undone),
+        # not as "no longer at its step": a count that a requeue moved to the run's
+        # next step while this deletes is read again by Postgres, its run is not, and
+        # the count would be gone.
+        passed = sa.exists().where(
+            R.c.id == C.c.run_id,
+            sa.or_(R.c.step_count > C.c.at_step, R.c.status.not_in(_NOT_FINAL)),
+        )
+        gone = ~sa.exists().where(R.c.id == C.c.run_id)
         with self.engine.begin() as conn:
-            return int(conn.execute(C.delete().where(~counted)).rowcount or 0)
+            return int(conn.execute(C.delete().where(sa.or_(passed, gone))).rowcount or 0)
 
     def _count_loss(self, conn: Connection, run_id: str, at_step: int) -> None:
         """Count an execution of the run lost at ``at_step``: one more in a row there,

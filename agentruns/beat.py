@@ -13,13 +13,21 @@ from __future__ import annotations
 from typing import Any
 
 import kombu.exceptions
+import redis
 from celery.beat import PersistentScheduler
 from celery.beat import logger as log
 
 from agentruns.errors import first_line
 
-# What a send through an unreachable broker raises, after kombu's own retries.
-_CONNECTION_ERRORS = (kombu.exceptions.OperationalError, ConnectionError, TimeoutError, OSError)
+# What a send through an unreachable broker raises, after kombu's own retries. Not
+# any OSError: writing the schedule file (a full disk) is no connection's.
+_CONNECTION_ERRORS = (
+    kombu.exceptions.OperationalError,
+    redis.ConnectionError,
+    redis.TimeoutError,
+    ConnectionError,
+    TimeoutError,
+)
 
 
 class Scheduler(PersistentScheduler):  # type: ignore[misc]

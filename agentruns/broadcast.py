@@ -118,10 +118,11 @@ def subscribe(
     url: str, *, prefix: str = "agentruns", timeout: float = 0.5
 ) -> Iterator[list[dict[str, object]] | None]:
     """Event summaries as they are published: all those that have arrived, at once
-    (a reader that looks once per wake-up keeps up at any rate of events); None
-    every ``timeout`` seconds of quiet."""
+    (a reader that looks once per wake-up keeps up at any rate of events); first an
+    empty list, once Redis confirms the subscription; None every ``timeout`` seconds
+    of quiet."""
     client = redis.Redis.from_url(url, socket_connect_timeout=5)
-    pubsub = client.pubsub(ignore_subscribe_messages=True)  # type: ignore[no-untyped-call]
+    pubsub = client.pubsub()  # type: ignore[no-untyped-call]
     try:
         pubsub.subscribe(channel(prefix))
         while True:

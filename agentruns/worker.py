@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from celery import signals
 
 from agentruns.celery import SWEEPS
+from agentruns.errors import NotMigratedError, first_line
+from agentruns.outages import is_outage
 from agentruns.settings import get_settings, is_redis_url
 
 if TYPE_CHECKING:
@@ -114,8 +116,15 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         # unknown agent module), not per task; tasks try again until it works.
         try:
             get_engine()
-        except Exception:
-            log.exception("agentruns: could not build the engine; tasks will fail until fixed")
+        except Exception as exc:
+            cause = exc.__cause__ if isinstance(exc, NotMigratedError) else exc
+            if cause is not None and is_outage(cause):  # one line, as each sweep says it
+                log.warning(
+                    "agentruns: could not build the engine (%s); its tasks try again",
+                    first_line(cause),
+                )
+            else:
+                log.exception("agentruns: could not build the engine; tasks will fail until fixed")
 
 
 def _say_if_the_sweeps_queue_is_not_consumed(consumer: Any) -> None:

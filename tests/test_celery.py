@@ -629,24 +629,32 @@ def test_messages_sent_while_postgres_is_away_wait_for_it_and_are_answered(
         proxy.close()
 
 
+@pytest.mark.parametrize("since_start", [False, True])
 def test_a_sweep_while_postgres_is_away_fails_in_one_line_and_the_next_works(
-    cluster: Cluster, db_url: str
+    cluster: Cluster, db_url: str, since_start: bool
 ) -> None:
     # Every tick and recover while the database was away logged a traceback of about
     # a hundred lines: beat's sweeps flooded a worker's log for as long as it lasted.
+    # A worker that started meanwhile (its engine not built yet) gave each sweep back
+    # to the queue, with its traceback, again and again.
     proxy = Proxy(("127.0.0.1", 5432))
     try:
         port = sa.make_url(db_url).port or 5432
         cluster.env["AGENTRUNS_DATABASE_URL"] = db_url.replace(f":{port}/", f":{proxy.port}/")
-        (worker,) = cluster.workers("w1", beat=True)  # sweeps every second
         swept = re.compile(r"Task agentruns\.recover\[\S+\] succeeded")
-        wait_for(lambda: swept.search(worker.output()), "a sweep")
-        proxy.cut()
+        if since_start:
+            proxy.cut()
+            (worker,) = cluster.workers("w1", beat=True)  # sweeps every second
+        else:
+            (worker,) = cluster.workers("w1", beat=True)
+            wait_for(lambda: swept.search(worker.output()), "a sweep")
+            proxy.cut()
         for sweep in ("tick", "recover"):
             line = f"WARNING/MainProcess] agentruns {sweep} could not sweep: OperationalError: "
             wait_for(lambda line=line: worker.output().count(line) >= 2, f"{sweep} to fail")
         assert "Traceback" not in worker.output()
         assert "raised unexpected" not in worker.output()
+        assert "reject requeue" not in worker.output()
         before = len(swept.findall(worker.output()))
         proxy.restore()
         wait_for(lambda: len(swept.findall(worker.output())) > before, "a sweep after it")

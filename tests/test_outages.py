@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import kombu.exceptions
 import psycopg
 import pytest
 import redis
@@ -458,6 +459,28 @@ def test_beat_says_in_one_line_each_sweep_it_cannot_send_and_sends_them_after(
         private_redis.start()  # empty: what was sent went with it
         sweeps = redis.Redis.from_url(private_redis.url)
         wait_for(lambda: sweeps.llen(sweeps_queue(group.queue)) > 0, "a sweep sent after")
+
+
+def test_beat_takes_only_a_broker_connections_errors_for_a_send_it_could_not_make() -> None:
+    # Its schedule file not written (Celery syncs it inside the send: a full disk, a
+    # directory gone) was said as "could not send", though the sweep had gone out.
+    from celery.beat import SchedulingError
+
+    from agentruns.beat import _connection_error
+
+    def raised(inner: Exception) -> Exception:
+        try:
+            try:
+                raise inner
+            except Exception:
+                raise SchedulingError("Couldn't apply scheduled task agentruns.tick") from None
+        except SchedulingError as exc:
+            return exc
+
+    refused = kombu.exceptions.OperationalError("Error 111 connecting to 127.0.0.1:6390")
+    assert _connection_error(raised(refused)) is refused
+    assert _connection_error(raised(FileNotFoundError("beat-schedule.dir"))) is None
+    assert _connection_error(raised(OSError(28, "No space left on device"))) is None
 
 
 def test_a_busy_worker_outlives_its_broker_going_away_and_finishes_the_run_after(

@@ -245,7 +245,7 @@ def _wakeups(session: Session, interval: float) -> Iterator[list[dict[str, objec
         if redis_url:
             try:
                 for events in subscribe(redis_url, timeout=interval):
-                    if lost:
+                    if lost and events is not None:  # Redis answered: subscribed
                         _note("receiving Redis's events again")
                         lost = False
                     yield events

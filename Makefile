@@ -29,8 +29,8 @@ lint: setup
 	$(BIN)/mypy --strict agentruns
 
 format: setup
-	$(BIN)/ruff check --fix agentruns workers tests bench
-	$(BIN)/ruff format agentruns workers tests bench
+	$(BIN)/ruff check --fix agentruns workers tests bench celeryconfig.py
+	$(BIN)/ruff format agentruns workers tests bench celeryconfig.py
 
 worker: setup
 	$(BIN)/celery -A agentruns worker -P threads -c 64 --loglevel=INFO -E

@@ -84,7 +84,9 @@ def _keys(
             raise InvalidTriggerError(f"{what} must be UTF-8 text, not {text!r}")
     thread = thread if thread is not None else envelope.thread
     for what, text in (
-        ("idempotency_key", idempotency_key if idempotency_key is not None else envelope.id),
+        ("idempotency_key", idempotency_key)
+        if idempotency_key is not None
+        else ("the trigger's id (the idempotency key by default)", envelope.id),
         ("concurrency_key", concurrency_key),
         ("thread", thread),
     ):

@@ -255,6 +255,21 @@ def test_what_a_model_or_trigger_wrote_cannot_drive_the_terminal(cli: Cli) -> No
     assert cli.json("show", run.id)["run"]["output"] == said  # scripts get it as it is
 
 
+def test_without_a_secret_a_waiting_run_is_answered_by_its_id_not_a_token(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CLI printed a token first, signed with this process's random key: the
+    # command it suggested failed with bad_signature.
+    monkeypatch.delenv("AGENTRUNS_SECRET", raising=False)
+    result = cli.json("dispatch", "triage", "--payload", json.dumps(REPORT))
+    assert result["run"]["status"] == "waiting" and result["approval_token"] is None
+    code, out, _ = cli("dispatch", "triage", "--payload", json.dumps({**REPORT, "n": 2}))
+    assert code == 0 and "agentruns approve ey" not in out
+    run_id = out.split()[1]
+    assert f"answer:  agentruns approve --run {run_id}" in out
+    assert "completed" in cli("approve", "--run", run_id)[1]
+
+
 def test_cancel_cancels_a_waiting_run_and_leaves_a_final_one(cli: Cli) -> None:
     run_id, token = cli.waiting_run()
     assert cli.json("cancel", run_id)["run"]["status"] == "cancelled"

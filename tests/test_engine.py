@@ -249,8 +249,9 @@ def test_dispatch_refuses_what_no_store_can_keep_storing_nothing(
     for name in ("idempotency_key", "concurrency_key", "thread"):
         with pytest.raises(InvalidTriggerError, match=f"{name} must not be empty"):
             engine.dispatch("triage", trigger({}), **{name: ""})
-    for fields in ({"id": ""}, {"thread": ""}):
-        with pytest.raises(InvalidTriggerError, match="must not be empty"):
+    # Named as given: an empty id was called an empty idempotency_key, never passed.
+    for fields, named in (({"id": ""}, "the trigger's id"), ({"thread": ""}, "thread")):
+        with pytest.raises(InvalidTriggerError, match=f"^{named}.* must not be empty"):
             engine.dispatch("triage", trigger({}, **fields))
     assert engine.list_runs() == []
     assert engine.list_runs(agent=lone) == []

@@ -218,7 +218,9 @@ def _keys(pairs: list[str]) -> dict[str, str]:
 def _report_run(session: Session, run: Run) -> int:
     """The run as it stands after a command that may have executed it here."""
     token = None
-    if run.status is RunStatus.WAITING:
+    if run.status is RunStatus.WAITING and session.settings.secret:
+        # Without a shared secret, a token is good only in this process, which ends
+        # now: none is offered (it failed with bad_signature wherever it was used).
         token = session.engine().approval_token(run.id)
     session.json({"run": render.run_json(run), "approval_token": token})
     if not session.embedded and run.status is RunStatus.QUEUED:
@@ -227,8 +229,11 @@ def _report_run(session: Session, run: Run) -> int:
     if session.shown.get(run.id) != run.status.value:
         session.say(render.run_line(run))
     if token is not None:
-        session.say(f"  approve: agentruns approve {token}{session.secret_note()}")
+        session.say(f"  approve: agentruns approve {token}")
         session.say(f"  or:      agentruns approve --run {run.id}   /   deny --run {run.id}")
+    elif run.status is RunStatus.WAITING:
+        session.say(f"  answer:  agentruns approve --run {run.id}   /   deny --run {run.id}")
+        session.say("  (AGENTRUNS_SECRET is unset, so no token is given: one would work only here)")
     return 0
 
 

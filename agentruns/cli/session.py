@@ -129,14 +129,6 @@ class Session:
             finally:
                 client.close()
 
-    def secret_note(self) -> str:
-        if self.settings.secret:
-            return ""
-        return (
-            "  (AGENTRUNS_SECRET is unset, so this token works only in this process; "
-            "use `--run RUN` instead)"
-        )
-
     # -- executions in this process ------------------------------------------------
 
     def follow(self) -> None:

@@ -32,7 +32,7 @@ from agentruns.broker import send_together
 from agentruns.celery import AMQP, app
 from agentruns.engine import Engine
 from agentruns.errors import AgentrunsError, NotMigratedError, first_line
-from agentruns.outages import OUTAGE, is_outage
+from agentruns.outages import OUTAGE
 from agentruns.runs import Run, RunStatus
 from agentruns.worker import get_engine, shutting_down  # and a worker's signal handlers
 
@@ -284,14 +284,11 @@ def _engine_or_give_back() -> Engine:
     """This worker's engine. One that cannot be built for the database's schema (a
     worker deployed before ``agentruns migrate``) gives the message back, after a
     pause (so a worker alone does not spin on it), for a worker that can take it:
-    acked here, a nudge or a sweep meant for the others was lost. One that cannot be
-    built because the database is away raises that outage: a sweep fails in one line
-    (the next comes soon), an execute's run waits for recover, as once it is built."""
+    acked here, a nudge or a sweep meant for the others was lost. (One that cannot be
+    built because the database is away raises that outage, as a built one's calls do.)"""
     try:
         return get_engine()
     except NotMigratedError as exc:
-        if exc.__cause__ is not None and is_outage(exc.__cause__):
-            raise exc.__cause__ from None
         time.sleep(_GIVE_BACK_PAUSE_S)
         raise Reject(f"this worker cannot work on this database yet: {exc}", requeue=True) from exc
 

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from celery import signals
 
 from agentruns.celery import SWEEPS
-from agentruns.errors import NotMigratedError, first_line
+from agentruns.errors import first_line
 from agentruns.outages import is_outage
 from agentruns.settings import get_settings, is_redis_url
 
@@ -117,11 +117,10 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         try:
             get_engine()
         except Exception as exc:
-            cause = exc.__cause__ if isinstance(exc, NotMigratedError) else exc
-            if cause is not None and is_outage(cause):  # one line, as each sweep says it
+            if is_outage(exc):  # one line, as each sweep says it
                 log.warning(
                     "agentruns: could not build the engine (%s); its tasks try again",
-                    first_line(cause),
+                    first_line(exc),
                 )
             else:
                 log.exception("agentruns: could not build the engine; tasks will fail until fixed")

@@ -136,6 +136,10 @@ class SqlStore:
             with self._reads.connect() as conn:
                 current = current_revision(conn)
         except (OperationalError, ProgrammingError) as exc:
+            if isinstance(exc, OperationalError) and (
+                exc.connection_invalidated or exc.statement in (None, "connect")
+            ):
+                raise  # the database is away, not unmigrated: an outage, said as one
             raise NotMigratedError(
                 f"cannot read the schema version of {self._safe_url()}: {exc.orig}"
             ) from exc

@@ -337,13 +337,32 @@ def dispatch(
     return run.id
 
 
-@_task("agentruns.execute")
+@contextlib.contextmanager
+def _outage_in_one_line(said: str) -> Iterator[None]:
+    """A task that needs no retry (its run is stored: recover schedules it again; a
+    sweep: beat sends the next soon) fails through an outage in one warning line:
+    its traceback, each time, flooded a worker's log while the database was away.
+    (Those tasks' ``throws`` keep Celery's own line short.)"""
+    try:
+        yield
+    except Exception as exc:
+        if Engine.is_infrastructure_error(exc):
+            log.warning("agentruns %s: %s", said, first_line(exc))
+        raise
+
+
+# Expected too, for the tasks above: an outage.
+_OUTAGE_THROWS = (*_EXPECTED, *OUTAGE)
+
+
+@_task("agentruns.execute", throws=_OUTAGE_THROWS)
 def execute(self: Any, run_id: str) -> dict[str, Any]:
     """One execution of the run, if this worker can claim it; otherwise nothing."""
     if shutting_down():
         # Give the message back for a worker that stays, instead of acking a no-op.
         raise Reject("the worker is shutting down", requeue=True)
-    run = _engine_or_give_back().execute(run_id)
+    with _outage_in_one_line(f"execute of run {run_id} could not run (recover runs it)"):
+        run = _engine_or_give_back().execute(run_id)
     if run.status is RunStatus.QUEUED and shutting_down():
         raise Reject("the worker is shutting down", requeue=True)
     return _summary(run)
@@ -365,33 +384,17 @@ def cancel(self: Any, run_id: str) -> dict[str, Any]:
     return _summary(run)
 
 
-@contextlib.contextmanager
-def _sweeping(name: str) -> Iterator[None]:
-    """A sweep through an outage fails, not retried (beat sends the next one soon), in
-    one warning line: its traceback, each time, flooded a worker's log while the
-    database was away. (The sweep tasks' ``throws`` keep Celery's own line short.)"""
-    try:
-        yield
-    except Exception as exc:
-        if Engine.is_infrastructure_error(exc):
-            log.warning("agentruns %s could not sweep: %s", name, first_line(exc))
-        raise
-
-
-_SWEEP_THROWS = (*_EXPECTED, *OUTAGE)
-
-
-@_task("agentruns.tick", throws=_SWEEP_THROWS)
+@_task("agentruns.tick", throws=_OUTAGE_THROWS)
 def tick(self: Any) -> None:
     """Expire approvals past their time; re-send notifications that did not go through."""
-    with _sweeping("tick"):
+    with _outage_in_one_line("tick could not sweep"):
         _engine_or_give_back().tick()
 
 
-@_task("agentruns.recover", throws=_SWEEP_THROWS)
+@_task("agentruns.recover", throws=_OUTAGE_THROWS)
 def recover(self: Any) -> list[str]:
     """Requeue interrupted, orphaned and long-queued runs; returns their ids."""
-    with _sweeping("recover"):
+    with _outage_in_one_line("recover could not sweep"):
         requeued = _engine_or_give_back().recover()
     if requeued:
         log.info("recover requeued %d run(s)", len(requeued))  # each said why

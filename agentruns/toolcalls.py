@@ -141,13 +141,13 @@ class ToolCaller:
                 tool.name,
                 ctx.idempotency_key,
             )
-        self.store.begin_effect(
+        attempt = self.store.begin_effect(
             self.run_id, self.epoch, ctx.tool_call_id, tool.name, ctx.idempotency_key
         )
         outcome = _invoke(tool, arguments, ctx)
         recorded = outcome.output if not outcome.is_error else outcome.content
         self.store.finish_effect(
-            self.run_id, self.epoch, ctx.tool_call_id, recorded, outcome.is_error
+            self.run_id, self.epoch, ctx.tool_call_id, recorded, outcome.is_error, attempt
         )
         return outcome
 

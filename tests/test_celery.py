@@ -652,6 +652,13 @@ def test_a_sweep_while_postgres_is_away_fails_in_one_line_and_the_next_works(
         for sweep in ("tick", "recover"):
             line = f"WARNING/MainProcess] agentruns {sweep} could not sweep: OperationalError: "
             wait_for(lambda line=line: worker.output().count(line) >= 2, f"{sweep} to fail")
+        # So does an execution's nudge (its run is stored: recover sends another).
+        from agentruns.tasks import execute
+
+        nudged = str(uuid.uuid4())
+        execute.delay(nudged)
+        said = f"agentruns execute of run {nudged} could not run (recover runs it): Operat"
+        wait_for(lambda: said in worker.output(), "the execute to fail")
         assert "Traceback" not in worker.output()
         assert "raised unexpected" not in worker.output()
         assert "reject requeue" not in worker.output()

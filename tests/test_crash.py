@@ -58,12 +58,15 @@ def spawn(
         lease_ttl: float = 1.0,
         clock_ahead: float = 0,
         pause: str | None = None,
+        fail: str | None = None,
     ) -> Helper:
         env = {**os.environ, "PYTHONPATH": str(ROOT), "AGENTRUNS_TEST_LOG": str(log)}
         if hang:
             env["AGENTRUNS_TEST_HANG"] = hang
         if pause:
             env["AGENTRUNS_TEST_PAUSE"] = pause
+        if fail:
+            env["AGENTRUNS_TEST_FAIL"] = fail
         if clock_ahead:
             env["AGENTRUNS_TEST_CLOCK_AHEAD"] = str(clock_ahead)
         proc = subprocess.Popen(
@@ -220,6 +223,32 @@ def test_an_effect_call_a_stopped_owner_finished_is_recorded_and_not_made_again(
     assert len(charges) == 1, charges
     tool_steps = [s for s in rescuer.steps(run.id) if s.kind == "tool"]
     assert tool_steps[0].output == {"charged": 5, "key": charges[0].split()[1]}
+
+
+def test_a_stopped_owners_effect_outcome_does_not_stand_for_a_later_attempts(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    # A paused worker's charge failed ("not charged") after the run's next holder had
+    # charged again and died before recording it: the paused one's error was recorded
+    # as the call's outcome, and the model told the charge failed.
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("effects", trigger({}))
+    first = spawn(run.id, pause="charge", fail="charge")  # fails, a second in
+    first.wait_for_line("charge ")
+    first.proc.send_signal(signal.SIGSTOP)
+    # (Lost twice at one step: held back, for a second at most.)
+    rescuer = make_engine(AGENTS, scheduler=ManualScheduler(), requeue_after=0.5)
+    recover_when_lease_expires(rescuer, run.id)
+    second = spawn(run.id, hang="charge")  # charges, then dies before its record
+    second.wait_for_line("hanging charge")
+    first.proc.send_signal(signal.SIGCONT)
+    assert first.proc.wait(timeout=20) == 0
+    kill9(second)
+    recover_when_lease_expires(rescuer, run.id)
+    assert rescuer.execute(run.id).status is RunStatus.COMPLETED  # charges again
+    assert len(charge_keys(first)) == 3
+    tool_steps = [s for s in rescuer.steps(run.id) if s.kind == "tool"]
+    assert tool_steps[0].error is None and tool_steps[0].output["charged"] == 5  # type: ignore[index]
 
 
 def killed_inside_the_charge(

@@ -16,6 +16,7 @@ from agentruns.cli.session import Session
 from agentruns.engine import Engine
 from agentruns.leases import RedisLeases
 from agentruns.runs import Run, RunStatus, utcnow
+from agentruns.settings import is_redis_url
 from agentruns.store.connect import shown_url
 
 Handler = Callable[[Session, argparse.Namespace], int]
@@ -239,8 +240,11 @@ def _report_run(session: Session, run: Run) -> int:
 
 def _given_up(session: Session, engine: Engine, run_id: str) -> bool:
     """Did a live worker let the run's claim go (an outage, a lost lease)? A note in
-    Redis, which reads leave out of their engine: asked here, briefly."""
-    url = session.settings.redis_url
+    Redis, which reads leave out of their engine: asked here, briefly, of the Redis
+    workers take their leases from (the broker's, without AGENTRUNS_REDIS_URL)."""
+    settings = session.settings
+    broker = settings.broker_url if is_redis_url(settings.broker_url) else None
+    url = settings.redis_url or broker
     ref = engine.store.run_ref(run_id)
     if not url or ref is None:
         return False

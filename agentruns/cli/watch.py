@@ -192,7 +192,8 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
     lost = _Lost()
     try:
         for events in _wakeups(session, interval):
-            if events is not None:
+            # (An empty list: subscribed again, events may have been missed: a look.)
+            if events:
                 # One look for all the events that came together, and none for
                 # another run's (or another deployment's) only.
                 mine = [e for e in events if run_id is None or e.get("run_id") == run_id]

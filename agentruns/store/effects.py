@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -67,36 +68,53 @@ class Effects:
         )
         return result.rowcount == 1
 
-    def begin(self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str) -> None:
-        """Record the intent to call an effect tool (kept if one is already recorded)."""
+    def begin(
+        self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
+    ) -> datetime:
+        """Record the intent to call an effect tool; when this attempt began, which its
+        result's record names. An intent recorded before without a result is an earlier
+        attempt's: it becomes this one's."""
+        now = utcnow()
         with self._atomic.begin() as conn:
             self._fence(conn, run_id, epoch)
-            conn.execute(
-                insert(E, self._atomic.dialect.name)
-                .values(
-                    run_id=run_id,
-                    tool_call_id=tool_call_id,
-                    tool_name=tool_name,
-                    idempotency_key=key,
-                    status="started",
-                    started_at=utcnow(),
-                )
-                .on_conflict_do_nothing(index_elements=["run_id", "tool_call_id"])
+            intent = insert(E, self._atomic.dialect.name).values(
+                run_id=run_id,
+                tool_call_id=tool_call_id,
+                tool_name=tool_name,
+                idempotency_key=key,
+                status="started",
+                started_at=now,
             )
+            conn.execute(
+                intent.on_conflict_do_update(
+                    index_elements=["run_id", "tool_call_id"],
+                    set_={"started_at": intent.excluded.started_at},
+                    where=E.c.status == "started",
+                )
+            )
+        return now
 
     def finish(
-        self, run_id: str, epoch: int, tool_call_id: str, result: Any, is_error: bool
+        self,
+        run_id: str,
+        epoch: int,
+        tool_call_id: str,
+        result: Any,
+        is_error: bool,
+        attempt: datetime,
     ) -> None:
-        """Record an effect tool's result. The one write whose loss repeats a side
-        effect (recovery finds an intent without a result): a connection that died
-        while the tool ran (a restart, a killed backend) is tried again on a new one,
-        for a few seconds. It sets what it sets: safe to repeat.
+        """Record the result of the effect call that began at ``attempt``. The one write
+        whose loss repeats a side effect (recovery finds an intent without a result): a
+        connection that died while the tool ran (a restart, a killed backend) is tried
+        again on a new one, for a few seconds. It sets what it sets: safe to repeat.
 
         An execution that lost the run while the tool ran (its worker paused or cut
-        off past its lease) still records what the call did, unless a result is
-        recorded already, and then raises ``LeaseLostError``: the side effect
-        happened, and the next execution returns it instead of calling again. It is
-        a fact about the call, not a step of the run, which it does not touch."""
+        off past its lease) still records what its call did, then raises
+        ``LeaseLostError``: the side effect happened, and the next execution returns it
+        instead of calling again. Only while its attempt is the last one begun and
+        none has a result: the run's new holder may have called again since, and
+        that attempt's outcome is the one to keep. A fact about the call, not a step
+        of the run, which it does not touch."""
         deadline: float | None = None  # from the first failure on
         for pause in (*_FINISH_EFFECT_PAUSES_S, None):
             try:
@@ -105,8 +123,8 @@ class Effects:
                     record = E.update().where(
                         E.c.run_id == run_id, E.c.tool_call_id == tool_call_id
                     )
-                    if not holds:  # the run's holder may have recorded a call of its own
-                        record = record.where(E.c.status == "started")
+                    if not holds:  # see above
+                        record = record.where(E.c.status == "started", E.c.started_at == attempt)
                     conn.execute(
                         record.values(
                             status="done", result=result, is_error=is_error, finished_at=utcnow()

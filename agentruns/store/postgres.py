@@ -10,6 +10,7 @@ execution's CPU: this is where it pays to be lean.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from collections.abc import Sequence
 from datetime import datetime
@@ -74,7 +75,10 @@ class Prepared:
         self.text = re.sub(r"%\((\w+)\)s", number, sql)
         self.params = tuple(order)
         self.columns = returns
-        self.wire_name = name.encode()
+        # Named by its text too: a session that already holds a statement of this
+        # name (see _prepare) holds this very text, whichever release prepared it.
+        digest = hashlib.blake2b(self.text.encode(), digest_size=4).hexdigest()
+        self.wire_name = f"{name}_{digest}".encode()
         self.wire_text = self.text.encode()
 
     def values(self, params: dict[str, Any]) -> Sequence[bytes]:
@@ -259,7 +263,7 @@ class _Session:
 
     def _prepare(self, statement: Prepared) -> None:
         result = self.driver.pgconn.prepare(statement.wire_name, statement.wire_text)
-        if _sqlstate(result) != _ALREADY_PREPARED:  # by this session, under its one name
+        if _sqlstate(result) != _ALREADY_PREPARED:  # the same text: its name says so
             self._check(result, pq.ExecStatus.COMMAND_OK)
         self.prepared.add(statement.name)
 

@@ -465,13 +465,19 @@ class SqlStore:
 
     def begin_effect(
         self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
-    ) -> None:
-        self._effects.begin(run_id, epoch, tool_call_id, tool_name, key)
+    ) -> datetime:
+        return self._effects.begin(run_id, epoch, tool_call_id, tool_name, key)
 
     def finish_effect(
-        self, run_id: str, epoch: int, tool_call_id: str, result: Any, is_error: bool
+        self,
+        run_id: str,
+        epoch: int,
+        tool_call_id: str,
+        result: Any,
+        is_error: bool,
+        attempt: datetime,
     ) -> None:
-        self._effects.finish(run_id, epoch, tool_call_id, result, is_error)
+        self._effects.finish(run_id, epoch, tool_call_id, result, is_error, attempt)
 
     # -- sweeps ----------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 Tools append lines to the file named by ``AGENTRUNS_TEST_LOG`` so a test can
 count calls across processes. ``AGENTRUNS_TEST_HANG`` names a tool that hangs
 in the process where it is set (so the test can kill it at that point);
-``AGENTRUNS_TEST_PAUSE`` one that takes a second (so the test can stop it there).
+``AGENTRUNS_TEST_PAUSE`` one that takes a second (so the test can stop it there),
+and ``AGENTRUNS_TEST_FAIL`` one that then raises.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def hang_here(name: str) -> None:
         time.sleep(3600)
     if os.environ.get("AGENTRUNS_TEST_PAUSE") == name:
         time.sleep(1.0)
+    if os.environ.get("AGENTRUNS_TEST_FAIL") == name:
+        raise RuntimeError("gateway timeout: not charged")
 
 
 @tool

@@ -348,16 +348,20 @@ def test_an_effects_result_from_an_execution_that_lost_the_run_is_kept_if_it_is_
     run, _ = store.create_run(new_run())
     stale = store.claim(run.id, "paused", utcnow() - timedelta(seconds=1))
     assert stale is not None
-    attempt = store.begin_effect(run.id, stale.epoch, "toolu_1", "charge", "key")
+    attempt = store.begin_effect(run.id, stale.epoch, "toolu_1", "charge", "key").started_at
+    assert attempt is not None
     ref = next(r for r in store.sweep_candidates(utcnow()) if r.id == run.id)
     assert store.requeue(ref) is not None
     holds = store.claim(run.id, "holder", soon())
     assert holds is not None
     if holder != "none":
         again = store.begin_effect(run.id, holds.epoch, "toolu_1", "charge", "key")
-        assert again != attempt
+        assert not again.done and again.started_at not in (None, attempt)
         if holder == "done":
-            store.finish_effect(run.id, holds.epoch, "toolu_1", "the holder's", False, again)
+            assert again.started_at is not None
+            store.finish_effect(
+                run.id, holds.epoch, "toolu_1", "the holder's", False, again.started_at
+            )
     with pytest.raises(LeaseLostError):
         store.finish_effect(run.id, stale.epoch, "toolu_1", "gateway timeout", True, attempt)
     record = store.effects(run.id)["toolu_1"]
@@ -366,6 +370,10 @@ def test_an_effects_result_from_an_execution_that_lost_the_run_is_kept_if_it_is_
         "calling": (False, None),  # the holder's call is under way: not the paused one's
         "done": (True, "the holder's"),
     }[holder]
+    if holder == "none":
+        # The holder, about to call again, begins: it finds the result, and calls not.
+        begun = store.begin_effect(run.id, holds.epoch, "toolu_1", "charge", "key")
+        assert (begun.done, begun.result, begun.is_error) == (True, "gateway timeout", True)
     with pytest.raises(LeaseLostError):  # and it starts no call
         store.begin_effect(run.id, stale.epoch, "toolu_2", "charge", "key2")
     store.close()

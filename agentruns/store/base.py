@@ -158,6 +158,8 @@ class EffectRecord:
     done: bool
     result: Any
     is_error: bool
+    # When the last attempt of the call began: the attempt a result's record names.
+    started_at: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -252,7 +254,7 @@ class Store(Protocol):
     def effects(self, run_id: str) -> dict[str, EffectRecord]: ...
     def begin_effect(
         self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
-    ) -> datetime: ...
+    ) -> EffectRecord: ...
     def finish_effect(
         self,
         run_id: str,

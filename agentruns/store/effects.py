@@ -5,13 +5,14 @@ of calling again. Both writes are fenced by the run's status and epoch."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.engine import Connection
+from sqlalchemy.engine import Connection, RowMapping
 
 from agentruns.errors import LeaseLostError, first_line
 from agentruns.outages import DATABASE_OUTAGE
@@ -42,17 +43,7 @@ class Effects:
         """The run's effect records, by tool call id."""
         with self._reads.connect() as conn:
             rows = conn.execute(sa.select(E).where(E.c.run_id == run_id)).mappings()
-            return {
-                r["tool_call_id"]: EffectRecord(
-                    tool_call_id=r["tool_call_id"],
-                    tool_name=r["tool_name"],
-                    idempotency_key=r["idempotency_key"],
-                    done=r["status"] == "done",
-                    result=r["result"],
-                    is_error=r["is_error"],
-                )
-                for r in rows
-            }
+            return {r["tool_call_id"]: _record(r) for r in rows}
 
     def _fence(self, conn: Connection, run_id: str, epoch: int) -> None:
         if not self._holds(conn, run_id, epoch):
@@ -70,10 +61,12 @@ class Effects:
 
     def begin(
         self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
-    ) -> datetime:
-        """Record the intent to call an effect tool; when this attempt began, which its
-        result's record names. An intent recorded before without a result is an earlier
-        attempt's: it becomes this one's."""
+    ) -> EffectRecord:
+        """Record the intent to call an effect tool; the record as it then stands. An
+        intent recorded before without a result is an earlier attempt's: it becomes
+        this one's (``started_at``, which its result's record names). A result recorded
+        meanwhile (by an execution that lost the run, when its worker went on) is
+        returned instead, done: the call happened, and is not to be made again."""
         now = utcnow()
         with self._atomic.begin() as conn:
             self._fence(conn, run_id, epoch)
@@ -85,14 +78,21 @@ class Effects:
                 status="started",
                 started_at=now,
             )
-            conn.execute(
-                intent.on_conflict_do_update(
-                    index_elements=["run_id", "tool_call_id"],
-                    set_={"started_at": intent.excluded.started_at},
-                    where=E.c.status == "started",
+            row = (
+                conn.execute(
+                    intent.on_conflict_do_update(
+                        index_elements=["run_id", "tool_call_id"],
+                        set_={"started_at": intent.excluded.started_at},
+                        where=E.c.status == "started",
+                    ).returning(*E.c)
                 )
+                .mappings()
+                .first()
             )
-        return now
+            if row is not None:  # this attempt's intent: named by the very value bound
+                return dataclasses.replace(_record(row), started_at=now)
+            done = sa.select(E).where(E.c.run_id == run_id, E.c.tool_call_id == tool_call_id)
+            return _record(conn.execute(done).mappings().one())
 
     def finish(
         self,
@@ -147,3 +147,15 @@ class Effects:
                     first_line(exc),
                 )
                 time.sleep(pause)
+
+
+def _record(row: RowMapping) -> EffectRecord:
+    return EffectRecord(
+        tool_call_id=row["tool_call_id"],
+        tool_name=row["tool_name"],
+        idempotency_key=row["idempotency_key"],
+        done=row["status"] == "done",
+        result=row["result"],
+        is_error=row["is_error"],
+        started_at=row["started_at"],
+    )

@@ -465,7 +465,7 @@ class SqlStore:
 
     def begin_effect(
         self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
-    ) -> datetime:
+    ) -> EffectRecord:
         return self._effects.begin(run_id, epoch, tool_call_id, tool_name, key)
 
     def finish_effect(

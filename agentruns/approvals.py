@@ -96,6 +96,11 @@ class Approvals:
         pending = dict(engine.store.pending(run.id) or {})
         asked_again = pending_.unknown(pending.get(wait.tool_call_id))
         denied = None if approved else _denial(reason, asked_again)
+        if denied is not None and asked_again and self._recorded(run.id, wait.tool_call_id):
+            # Asked whether to call again, its earlier attempt's result was recorded
+            # since (a paused worker's, when it went on): no call is made either way,
+            # and the model gets that result, not "it may have happened".
+            denied = None
         if denied is None:
             pending[wait.tool_call_id] = pending_.approved(asked_again)
         else:
@@ -120,6 +125,10 @@ class Approvals:
             engine.published(committed)
         engine.scheduler.schedule(run.id)
         return committed.run
+
+    def _recorded(self, run_id: str, tool_call_id: str) -> bool:
+        record = self.engine.store.effects(run_id).get(tool_call_id)
+        return record is not None and record.done
 
     def token(self, run: Run) -> str:
         """The current resume token of a waiting run, minted again (for an operator)."""

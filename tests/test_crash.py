@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from agentruns import Engine, Run, RunStatus
+from agentruns import Engine, LeaseLostError, Run, RunStatus
 from agentruns.runs import utcnow
 from agentruns.schedulers import ManualScheduler
 from tests.conftest import EngineFactory, trigger, wait_for
@@ -347,6 +347,27 @@ def test_denying_a_call_again_after_an_unknown_outcome_tells_the_model_it_may_ha
     ]
     told = json.dumps(results[-1])
     assert results[-1]["is_error"] and "may have happened" in told and "see the ledger" in told
+
+
+def test_denying_a_call_again_whose_first_attempt_was_recorded_since_gives_its_result(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    # A paused worker recorded the first attempt's result while a person was asked
+    # whether to call again: their no told the model the charge "may have happened".
+    rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, "unknown_approve")
+    assert rescuer.get_run(run.id).status is RunStatus.WAITING
+    ((call_id, intent),) = rescuer.store.effects(run.id).items()
+    assert intent.started_at is not None and not intent.done
+    with pytest.raises(LeaseLostError):  # as the first execution would, going on
+        rescuer.store.finish_effect(run.id, 1, call_id, {"charged": 5}, False, intent.started_at)
+    rescuer.resume(rescuer.approval_token(run.id), approved=False, reason="see the ledger")
+    assert rescuer.idle(20)
+    assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
+    assert len(charge_keys(helper)) == 1  # not called again
+    charge = next(s for s in rescuer.steps(run.id) if s.kind == "tool")
+    assert charge.error is None and charge.output == {"charged": 5}
+    wait = next(s for s in rescuer.steps(run.id) if s.kind == "wait")
+    assert wait.output is not None and wait.output["approved"] is False  # what was answered
 
 
 @pytest.mark.parametrize(

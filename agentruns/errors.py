@@ -21,9 +21,13 @@ def exception_text(exc: BaseException, *, typed: bool = True) -> str:
     return f"{name}: {said}" if typed else said
 
 
-def first_line(exc: BaseException) -> str:
-    """An exception in one log line (an outage's: SQLAlchemy's go on for several)."""
-    return exception_text(exc).splitlines()[0][:500]
+def first_line(exc: BaseException, *, typed: bool = True) -> str:
+    """An exception in one line, for a log or the CLI (an outage's: SQLAlchemy's go on
+    for several): its first line that says something, after its type's name unless
+    not ``typed``."""
+    lines = [line.strip() for line in exception_text(exc, typed=typed).splitlines()]
+    said = next((line for line in lines if line), "")
+    return (said or type(exc).__name__)[:500]
 
 
 def stops_the_task(exc: BaseException) -> bool:

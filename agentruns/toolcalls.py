@@ -146,12 +146,9 @@ class ToolCaller:
         )
         if begun.done:  # recorded since it was read, by an execution that lost the run
             return _recorded(begun.result, begun.is_error)
-        assert begun.started_at is not None
         outcome = _invoke(tool, arguments, ctx)
         recorded = outcome.output if not outcome.is_error else outcome.content
-        self.store.finish_effect(
-            self.run_id, self.epoch, ctx.tool_call_id, recorded, outcome.is_error, begun.started_at
-        )
+        self.store.finish_effect(self.run_id, self.epoch, begun, recorded, outcome.is_error)
         return outcome
 
 

@@ -201,6 +201,23 @@ def test_effect_tool_runs_once_when_killed_after_it_ran_before_its_step_was_save
     assert tool_steps[0].output == {"charged": 5, "key": charges[0].split()[1]}
 
 
+def stopped_inside_the_charge(
+    make_engine: EngineFactory, spawn: Any, fail: str | None = None
+) -> tuple[Engine, Run, Helper]:
+    """A run of the effects agent whose process is stopped (SIGSTOP) inside its charge,
+    which takes a second (and then fails, with ``fail="charge"``), and requeued by a
+    rescuer (which executes only when the test says) once its lease expired."""
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("effects", trigger({}))
+    helper = spawn(run.id, pause="charge", fail=fail)
+    helper.wait_for_line("charge ")
+    helper.proc.send_signal(signal.SIGSTOP)
+    # (A run lost twice at one step is held back: half a second to 1.5 s here.)
+    rescuer = make_engine(AGENTS, scheduler=ManualScheduler(), requeue_after=0.5)
+    recover_when_lease_expires(rescuer, run.id)
+    return rescuer, run, helper
+
+
 def test_an_effect_call_a_stopped_owner_finished_is_recorded_and_not_made_again(
     make_engine: EngineFactory, spawn: Any
 ) -> None:
@@ -208,13 +225,7 @@ def test_an_effect_call_a_stopped_owner_finished_is_recorded_and_not_made_again(
     # went on, but its result record was refused (fenced by epoch): the next
     # execution found an intent without a result and made the call again, no crash
     # involved.
-    producer = make_engine(AGENTS, scheduler=ManualScheduler())
-    run = producer.dispatch("effects", trigger({}))
-    helper = spawn(run.id, pause="charge")  # charge takes a second
-    helper.wait_for_line("charge ")
-    helper.proc.send_signal(signal.SIGSTOP)
-    rescuer = make_engine(AGENTS, scheduler=ManualScheduler())
-    recover_when_lease_expires(rescuer, run.id)  # requeued; executed below
+    rescuer, run, helper = stopped_inside_the_charge(make_engine, spawn)
     helper.proc.send_signal(signal.SIGCONT)
     assert helper.proc.wait(timeout=20) == 0
     assert "error LeaseLostError" in helper.lines()
@@ -231,14 +242,7 @@ def test_a_stopped_owners_effect_outcome_does_not_stand_for_a_later_attempts(
     # A paused worker's charge failed ("not charged") after the run's next holder had
     # charged again and died before recording it: the paused one's error was recorded
     # as the call's outcome, and the model told the charge failed.
-    producer = make_engine(AGENTS, scheduler=ManualScheduler())
-    run = producer.dispatch("effects", trigger({}))
-    first = spawn(run.id, pause="charge", fail="charge")  # fails, a second in
-    first.wait_for_line("charge ")
-    first.proc.send_signal(signal.SIGSTOP)
-    # (Lost twice at one step: held back, for a second at most.)
-    rescuer = make_engine(AGENTS, scheduler=ManualScheduler(), requeue_after=0.5)
-    recover_when_lease_expires(rescuer, run.id)
+    rescuer, run, first = stopped_inside_the_charge(make_engine, spawn, fail="charge")
     second = spawn(run.id, hang="charge")  # charges, then dies before its record
     second.wait_for_line("hanging charge")
     first.proc.send_signal(signal.SIGCONT)
@@ -356,10 +360,10 @@ def test_denying_a_call_again_whose_first_attempt_was_recorded_since_gives_its_r
     # whether to call again: their no told the model the charge "may have happened".
     rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, "unknown_approve")
     assert rescuer.get_run(run.id).status is RunStatus.WAITING
-    ((call_id, intent),) = rescuer.store.effects(run.id).items()
-    assert intent.started_at is not None and not intent.done
+    (intent,) = rescuer.store.effects(run.id).values()
+    assert not intent.done
     with pytest.raises(LeaseLostError):  # as the first execution would, going on
-        rescuer.store.finish_effect(run.id, 1, call_id, {"charged": 5}, False, intent.started_at)
+        rescuer.store.finish_effect(run.id, 1, intent, {"charged": 5}, False)
     rescuer.resume(rescuer.approval_token(run.id), approved=False, reason="see the ledger")
     assert rescuer.idle(20)
     assert rescuer.get_run(run.id).status is RunStatus.COMPLETED

@@ -245,6 +245,38 @@ def test_a_running_event_that_comes_after_a_later_look_is_not_shown(sqlite_url: 
         engine.close()
 
 
+def test_a_watch_looks_at_the_store_once_it_is_subscribed_again(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Events published while it was not subscribed (Redis away) are gone: a watch
+    # subscribed again must look for what they said. (Its wake-ups are given here:
+    # the confirmation of a subscription is an empty batch; see the test above.)
+    import agentruns.cli.watch as watching
+
+    engine = _manual_engine(sqlite_url)
+    session = Session(as_json=True, out=io.StringIO())
+    session._settings = Settings(database_url=sqlite_url, agents="")
+    session._engine = engine
+    looks: list[int] = []
+    real_runs = watching._runs
+
+    def runs(engine: Engine, run_id: str | None) -> list[Any]:
+        looks.append(1)
+        return real_runs(engine, run_id)
+
+    def wakeups(session: Session, interval: float) -> Any:
+        yield []  # subscribed again
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(watching, "_runs", runs)
+    monkeypatch.setattr(watching, "_wakeups", wakeups)
+    try:
+        assert watching.watch(session, run_id=None, until_final=False, interval=60) == 0
+        assert len(looks) == 2  # the first look, and one on subscribing
+    finally:
+        engine.close()
+
+
 def test_a_watcher_forgets_settled_runs_that_left_its_window(sqlite_url: str) -> None:
     # A watcher left running for months kept an entry per run it ever saw, and one
     # per run of another deployment it heard start.

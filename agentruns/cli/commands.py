@@ -11,9 +11,10 @@ from typing import Any
 import redis
 
 from agentruns.cli import render
-from agentruns.cli.errors import BAD_INPUT, CliError, first_line
+from agentruns.cli.errors import BAD_INPUT, CliError
 from agentruns.cli.session import Session
 from agentruns.engine import Engine
+from agentruns.errors import first_line
 from agentruns.leases import RedisLeases
 from agentruns.runs import Run, RunStatus, utcnow
 from agentruns.settings import is_redis_url
@@ -168,7 +169,7 @@ def cmd_tick(session: Session, args: argparse.Namespace) -> int:
         if (w := after[r.id].waiting) is not None and w.notified_at is not None
     ]
     # What went wrong in a notifier (the engine reported it and went on with the rest).
-    errors = [first_line(exc) for exc in session.reported]
+    errors = [first_line(exc, typed=False) for exc in session.reported]
     session.json(
         {"expired": expired, "notified": notified, "waiting": len(after), "errors": errors}
     )

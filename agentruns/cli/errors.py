@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import redis
 import sqlalchemy.exc
 from pydantic import ValidationError
@@ -15,7 +13,7 @@ from agentruns.errors import (
     NotMigratedError,
     RunNotFoundError,
     UnknownAgentError,
-    exception_text,
+    first_line,
 )
 from agentruns.store.connect import shown_url
 
@@ -37,12 +35,6 @@ class CliError(Exception):
     def __init__(self, message: str, code: int = FAILURE) -> None:
         super().__init__(message)
         self.code = code
-
-
-def first_line(value: Any) -> str:
-    said = exception_text(value, typed=False) if isinstance(value, BaseException) else str(value)
-    lines = [line.strip() for line in said.splitlines() if line.strip()]
-    return lines[0] if lines else type(value).__name__
 
 
 def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tuple[int, str]:
@@ -71,15 +63,22 @@ def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tu
     if isinstance(exc, sqlalchemy.exc.OperationalError | sqlalchemy.exc.InterfaceError):
         return FAILURE, database_failure(database, exc)
     if isinstance(exc, sqlalchemy.exc.SQLAlchemyError):
-        return FAILURE, f"database error on {database}: {first_line(getattr(exc, 'orig', exc))}"
+        return (
+            FAILURE,
+            f"database error on {database}: {first_line(getattr(exc, 'orig', exc), typed=False)}",
+        )
     if isinstance(exc, redis.RedisError):
         where = shown_url(redis_url) if redis_url else "Redis"
-        return FAILURE, f"cannot reach Redis at {where}: {first_line(exc)} (AGENTRUNS_REDIS_URL)"
+        return (
+            FAILURE,
+            f"cannot reach Redis at {where}: {first_line(exc, typed=False)} (AGENTRUNS_REDIS_URL)",
+        )
     if type(exc).__module__.startswith("kombu"):
-        return FAILURE, f"cannot reach the Celery broker: {first_line(exc)} (AGENTRUNS_BROKER_URL)"
+        said = first_line(exc, typed=False)
+        return FAILURE, f"cannot reach the Celery broker: {said} (AGENTRUNS_BROKER_URL)"
     if isinstance(exc, AgentrunsError):
-        return FAILURE, first_line(exc)
-    return FAILURE, f"unexpected {type(exc).__name__}: {first_line(exc)}"
+        return FAILURE, first_line(exc, typed=False)
+    return FAILURE, f"unexpected {type(exc).__name__}: {first_line(exc, typed=False)}"
 
 
 def database_failure(database: str, exc: sqlalchemy.exc.DBAPIError) -> str:
@@ -87,11 +86,11 @@ def database_failure(database: str, exc: sqlalchemy.exc.DBAPIError) -> str:
     on those; one that failed a statement (a full disk, a dropped connection), its error."""
     if exc.statement in (None, "connect"):  # connecting: no statement was sent
         return unreachable_database(database, exc)
-    return f"database error on {database}: {first_line(exc.orig)}"
+    return f"database error on {database}: {first_line(exc.orig or exc, typed=False)}"
 
 
 def unreachable_database(database: str, exc: sqlalchemy.exc.DBAPIError) -> str:
     return (
-        f"cannot open the database {database}: {first_line(exc.orig)} "
+        f"cannot open the database {database}: {first_line(exc.orig or exc, typed=False)} "
         "(check AGENTRUNS_DATABASE_URL; a new database needs `agentruns migrate`)"
     )

@@ -13,9 +13,9 @@ from sqlalchemy.engine import make_url
 
 from agentruns.agent import Agent
 from agentruns.cli import render
-from agentruns.cli.errors import CliError, first_line
+from agentruns.cli.errors import CliError
 from agentruns.engine import Engine
-from agentruns.errors import AgentrunsError
+from agentruns.errors import AgentrunsError, first_line
 from agentruns.events import Event
 from agentruns.leases import LocalLeases
 from agentruns.schedulers import LocalScheduler
@@ -96,7 +96,7 @@ class Session:
         except Exception as exc:
             raise CliError(
                 f"cannot import the agent modules {self.settings.agents!r} "
-                f"(AGENTRUNS_AGENTS): {type(exc).__name__}: {first_line(exc)}"
+                f"(AGENTRUNS_AGENTS): {type(exc).__name__}: {first_line(exc, typed=False)}"
             ) from None
 
     def _check_sqlite_file(self) -> None:

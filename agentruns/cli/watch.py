@@ -18,10 +18,9 @@ import redis
 
 from agentruns.broadcast import subscribe
 from agentruns.cli import render
-from agentruns.cli.errors import first_line
 from agentruns.cli.session import Session
 from agentruns.engine import Engine
-from agentruns.errors import RunNotFoundError
+from agentruns.errors import RunNotFoundError, first_line
 from agentruns.outages import DATABASE_OUTAGE
 from agentruns.runs import Run, RunStatus, Step, utcnow
 from agentruns.store.base import RunHead
@@ -224,7 +223,7 @@ class _Lost:
         except DATABASE_OUTAGE as exc:  # not any OSError: stdout's BrokenPipeError ends it
             if self.since is None:
                 self.since = time.monotonic()
-                _note(f"cannot read the database ({first_line(exc)}); trying again")
+                _note(f"cannot read the database ({first_line(exc, typed=False)}); trying again")
             return False
         if self.since is not None:
             _note(f"reading the database again, after {time.monotonic() - self.since:.0f}s")
@@ -253,7 +252,8 @@ def _wakeups(session: Session, interval: float) -> Iterator[list[dict[str, objec
             except redis.RedisError as exc:
                 # The store stays the truth: without events, it is looked at on a clock.
                 if not lost:
-                    _note(f"lost Redis's events ({first_line(exc)}); looking every {interval:g}s")
+                    said = first_line(exc, typed=False)
+                    _note(f"lost Redis's events ({said}); looking every {interval:g}s")
                     lost = True
         time.sleep(interval)
         yield None

@@ -256,13 +256,7 @@ class Store(Protocol):
         self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
     ) -> EffectRecord: ...
     def finish_effect(
-        self,
-        run_id: str,
-        epoch: int,
-        tool_call_id: str,
-        result: Any,
-        is_error: bool,
-        attempt: datetime,
+        self, run_id: str, epoch: int, begun: EffectRecord, result: Any, is_error: bool
     ) -> None: ...
     def sweep_candidates(self, queued_before: datetime) -> list[RunRef]: ...
     def requeue(self, ref: RunRef, count_loss: bool = False) -> Run | None: ...

@@ -8,7 +8,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -95,15 +94,9 @@ class Effects:
             return _record(conn.execute(done).mappings().one())
 
     def finish(
-        self,
-        run_id: str,
-        epoch: int,
-        tool_call_id: str,
-        result: Any,
-        is_error: bool,
-        attempt: datetime,
+        self, run_id: str, epoch: int, begun: EffectRecord, result: Any, is_error: bool
     ) -> None:
-        """Record the result of the effect call that began at ``attempt``. The one write
+        """Record the result of the effect call ``begin`` began (``begun``). The one write
         whose loss repeats a side effect (recovery finds an intent without a result): a
         connection that died while the tool ran (a restart, a killed backend) is tried
         again on a new one, for a few seconds. It sets what it sets: safe to repeat.
@@ -115,6 +108,7 @@ class Effects:
         none has a result: the run's new holder may have called again since, and
         that attempt's outcome is the one to keep. A fact about the call, not a step
         of the run, which it does not touch."""
+        tool_call_id, attempt = begun.tool_call_id, begun.started_at
         deadline: float | None = None  # from the first failure on
         for pause in (*_FINISH_EFFECT_PAUSES_S, None):
             try:

@@ -54,11 +54,13 @@ def _json(
     try:
         return model.model_validate(value)
     except ValueError as exc:  # pydantic's ValidationError is one
-        problems.append(f"its {column} is not a valid {model.__name__} ({_first_line(exc)})")
+        problems.append(f"its {column} is not a valid {model.__name__} ({first_problem(exc)})")
         return unreadable
 
 
-def _first_line(exc: Exception) -> str:
+def first_problem(exc: Exception) -> str:
+    """What a value read back failed on: pydantic's first error, where it is; else
+    the exception's first line."""
     errors = getattr(exc, "errors", None)
     if callable(errors) and errors():
         first = errors()[0]

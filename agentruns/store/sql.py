@@ -13,7 +13,6 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from pydantic import ValidationError
 from sqlalchemy.engine import Connection, RowMapping
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
@@ -51,6 +50,7 @@ from agentruns.store.postgres import Statements
 from agentruns.store.queries import claimable, in_line, in_turn, insert, literal, status_of_one
 from agentruns.store.rows import (
     aware,
+    first_problem,
     new_steps,
     read_run,
     run_from_row,
@@ -280,9 +280,8 @@ class SqlStore:
                 created_at=aware(row["checkpoint_at"]),
             )
         except ValueError as exc:  # rows edited by hand: not JSON, or not a message
-            said = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
             raise InvalidCheckpointError(
-                f"run {run_id}'s checkpoint cannot be read: {said}"
+                f"run {run_id}'s checkpoint cannot be read: {first_problem(exc)}"
             ) from None
 
     def transcript(self, run_id: str) -> Transcript:
@@ -469,15 +468,9 @@ class SqlStore:
         return self._effects.begin(run_id, epoch, tool_call_id, tool_name, key)
 
     def finish_effect(
-        self,
-        run_id: str,
-        epoch: int,
-        tool_call_id: str,
-        result: Any,
-        is_error: bool,
-        attempt: datetime,
+        self, run_id: str, epoch: int, begun: EffectRecord, result: Any, is_error: bool
     ) -> None:
-        self._effects.finish(run_id, epoch, tool_call_id, result, is_error, attempt)
+        self._effects.finish(run_id, epoch, begun, result, is_error)
 
     # -- sweeps ----------------------------------------------------------------
 

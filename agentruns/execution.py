@@ -377,40 +377,47 @@ class Execution:
                 # Cancelled, timed out or drained: no call starts after that. The
                 # calls done so far are kept, so a recovery does not repeat them.
                 self._stop_mid_step(pending, tool_steps, index, finish_reason)
-            entry = pending.get(call["id"])
-            if pending_.status(entry) == pending_.DONE:
+            status = pending_.status(pending.get(call["id"]))
+            if status == pending_.DONE:
                 continue
-            if pending_.status(entry) == pending_.NEEDS_APPROVAL:
-                awaiting = call  # still unanswered
+            if status == pending_.NEEDS_APPROVAL or not self._call_one(call, pending, tool_steps):
+                awaiting = call  # still unanswered, or now awaiting approval
                 break
-            approved = pending_.status(entry) == pending_.APPROVED
-            again = approved and pending_.unknown(entry)
-            if again:
-                # A person approved calling it again after an unknown outcome: that
-                # covers this attempt only. Used up before it starts, so that if its
-                # outcome is unknown too, the person is asked again.
-                pending[call["id"]] = pending_.approved(unknown=False)
-                self._commit(Commit(pending=pending))
-            started = utcnow()
-            outcome = self._tool_call(call, approved, again, pending, tool_steps)
-            if outcome is None:
-                awaiting = call  # now awaiting approval
-                break
-            pending[call["id"]] = pending_.done(outcome.content, outcome.is_error)
-            tool_steps.append(
-                NewStep(
-                    kind="tool",
-                    name=call["name"],
-                    input=call["input"],
-                    output=outcome.output,
-                    error=outcome.error,
-                    started_at=started,
-                    finished_at=utcnow(),
-                )
-            )
         if awaiting is not None:
             self._pause(awaiting, pending, tool_steps, index, finish_reason)
         self._save_results(messages, calls, pending, tool_steps, index, finish_reason)
+
+    def _call_one(
+        self, call: dict[str, Any], pending: dict[str, Any], tool_steps: list[NewStep]
+    ) -> bool:
+        """Make one call of the step, noting its result and its step row; False if it
+        needs an approval first."""
+        entry = pending.get(call["id"])
+        approved = pending_.status(entry) == pending_.APPROVED
+        again = approved and pending_.unknown(entry)
+        if again:
+            # A person approved calling it again after an unknown outcome: that
+            # covers this attempt only. Used up before it starts, so that if its
+            # outcome is unknown too, the person is asked again.
+            pending[call["id"]] = pending_.approved(unknown=False)
+            self._commit(Commit(pending=pending))
+        started = utcnow()
+        outcome = self._tool_call(call, approved, again, pending, tool_steps)
+        if outcome is None:
+            return False
+        pending[call["id"]] = pending_.done(outcome.content, outcome.is_error)
+        tool_steps.append(
+            NewStep(
+                kind="tool",
+                name=call["name"],
+                input=call["input"],
+                output=outcome.output,
+                error=outcome.error,
+                started_at=started,
+                finished_at=utcnow(),
+            )
+        )
+        return True
 
     def _save_results(
         self,

@@ -21,6 +21,7 @@ from agentruns.agent import Agent
 from agentruns.approvals import Approvals
 from agentruns.errors import (
     LeaseLostError,
+    NotRetryableError,
     exception_text,
     first_line,
     stops_the_task,
@@ -504,6 +505,34 @@ class Engine:
             elif run.status is RunStatus.CANCELLED and run.concurrency_key is not None:
                 self._schedule_next(run.concurrency_key)
             return run
+
+    def retry(self, run_id: str) -> Run:
+        """Queue a failed run again, to go on from its latest checkpoint: its saved model
+        responses and tool results are kept and not repeated, and effect tools return
+        their recorded results. Raises ``NotRetryableError`` if the run is not failed,
+        or if a later run of its thread has started."""
+        run_id = intake.run_id(run_id)
+        with self._calling():
+            with self.events.writing(run_id):
+                run, retried = self.store.retry(run_id)
+                if retried:
+                    self.events.run_updated(run)
+            if not retried:
+                raise NotRetryableError(run_id, self._why_not_retried(run))
+            log.info("run %s queued again after it failed", run_id)
+            self.scheduler.schedule(run_id)
+            return run
+
+    def _why_not_retried(self, run: Run) -> str:
+        if run.status is not RunStatus.FAILED:
+            return f"run {run.id} is {run.status.value}: only a failed run is retried"
+        later = self.store.thread_went_on(run.id)
+        if later is None:  # it changed meanwhile
+            return f"run {run.id} could not be retried as it was; look at it again"
+        return (
+            f"run {run.id} cannot be retried: run {later} of its thread {run.thread!r} has"
+            " started since, from the thread's runs before it; dispatch to the thread again"
+        )
 
     def tick(self) -> None:
         """Deny approvals past their expiry; re-send notifications that did not go through."""

@@ -117,6 +117,15 @@ class RunNotFoundError(AgentrunsError):
         super().__init__(f"run {run_id!r} not found")
 
 
+class NotRetryableError(AgentrunsError):
+    """``retry`` refused: the run is not failed, or a later run of its thread has started
+    (it went on without this one). Nothing was changed."""
+
+    def __init__(self, run_id: str, message: str) -> None:
+        self.run_id = run_id
+        super().__init__(message)
+
+
 class InvalidTriggerError(AgentrunsError):
     """The trigger is not a valid envelope, or its payload is not JSON."""
 

@@ -82,6 +82,16 @@ class _Stop(Exception):
     """Internal: the execution has settled, paused, or must stop writing."""
 
 
+class _CallFailed(Exception):
+    """Internal: a tool call failed the run (``fatal_tool_error``, or an effect's unknown
+    outcome with ``on_unknown="fail"``), with its step row if it has one."""
+
+    def __init__(self, error: RunError, step: NewStep | None) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.step = step
+
+
 class _AgentCodeFailed(Exception):
     """Internal: the agent's own code (its instructions or tools callable) raised. The
     run fails: what it raised, an ``OSError`` included, is no outage of agentruns'
@@ -369,7 +379,29 @@ class Execution:
         """Run the step's calls in the model's order; pause on the first one awaiting
         approval, before any call after it runs."""
         tool_steps: list[NewStep] = []
-        awaiting: dict[str, Any] | None = None
+        try:
+            awaiting = self._call_in_turn(calls, pending, tool_steps, index, finish_reason)
+        except _CallFailed as failed:
+            # The calls done before it are kept as answers pending, as a drain keeps
+            # them: a retry of the run does not make them again.
+            steps = tool_steps + ([failed.step] if failed.step is not None else [])
+            status = RunStatus.FAILED
+            self._leave_step(steps, index, finish_reason, pending, status, error=failed.error)
+            raise _Stop from None
+        if awaiting is not None:
+            self._pause(awaiting, pending, tool_steps, index, finish_reason)
+        self._save_results(messages, calls, pending, tool_steps, index, finish_reason)
+
+    def _call_in_turn(
+        self,
+        calls: list[dict[str, Any]],
+        pending: dict[str, Any],
+        tool_steps: list[NewStep],
+        index: int,
+        finish_reason: str,
+    ) -> dict[str, Any] | None:
+        """Make the step's calls not done yet, in order, up to the first one awaiting
+        approval (which it returns)."""
         for call in calls:
             if self.reason is Abort.LEASE_LOST:
                 raise LeaseLostError(self.run.id)
@@ -381,11 +413,8 @@ class Execution:
             if status == pending_.DONE:
                 continue
             if status == pending_.NEEDS_APPROVAL or not self._call_one(call, pending, tool_steps):
-                awaiting = call  # still unanswered, or now awaiting approval
-                break
-        if awaiting is not None:
-            self._pause(awaiting, pending, tool_steps, index, finish_reason)
-        self._save_results(messages, calls, pending, tool_steps, index, finish_reason)
+                return call  # still unanswered, or now awaiting approval
+        return None
 
     def _call_one(
         self, call: dict[str, Any], pending: dict[str, Any], tool_steps: list[NewStep]
@@ -402,7 +431,7 @@ class Execution:
             pending[call["id"]] = pending_.approved(unknown=False)
             self._commit(Commit(pending=pending))
         started = utcnow()
-        outcome = self._tool_call(call, approved, again, pending, tool_steps)
+        outcome = self._tool_call(call, approved, again, pending)
         if outcome is None:
             return False
         pending[call["id"]] = pending_.done(outcome.content, outcome.is_error)
@@ -459,7 +488,6 @@ class Execution:
         approved: bool,
         again: bool,
         pending: dict[str, Any],
-        tool_steps: list[NewStep],
     ) -> Outcome | None:
         """One call's outcome, or None when it must wait for an approval."""
         try:
@@ -467,23 +495,20 @@ class Execution:
         except (FatalToolError, EffectOutcomeUnknown) as exc:
             fatal = isinstance(exc, FatalToolError)
             said = exception_text(exc, typed=False)  # a tool raised it: str() may fail
-            code = "fatal_tool_error" if fatal else "effect_outcome_unknown"
-            if fatal:
-                now = utcnow()
-                tool_steps.append(
-                    NewStep(
-                        kind="tool",
-                        name=call["name"],
-                        input=call["input"],
-                        error={"code": code, "message": storable_text(said)},
-                        started_at=now,
-                        finished_at=now,
-                    )
-                )
-            message = f"{call['name']}: {said}" if fatal else said
-            self._settle(
-                RunStatus.FAILED, error=RunError(code=code, message=message), steps=tool_steps
+            if not fatal:
+                error = RunError(code="effect_outcome_unknown", message=said)
+                raise _CallFailed(error, None) from None
+            now = utcnow()
+            step = NewStep(
+                kind="tool",
+                name=call["name"],
+                input=call["input"],
+                error={"code": "fatal_tool_error", "message": storable_text(said)},
+                started_at=now,
+                finished_at=now,
             )
+            error = RunError(code="fatal_tool_error", message=f"{call['name']}: {said}")
+            raise _CallFailed(error, step) from None
         if isinstance(outcome, Wait):
             # Unknown: the answer approves calling it again.
             pending[call["id"]] = pending_.needs_approval(outcome.unknown)

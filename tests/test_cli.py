@@ -36,6 +36,7 @@ from agentruns import (
 from agentruns.cli import main, render
 from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.models.base import ModelError
 from agentruns.recovery import held_until
 from agentruns.runs import utcnow
 from agentruns.schedulers import ManualScheduler
@@ -824,3 +825,23 @@ def test_the_example_notifier_logs_no_resume_token(caplog: pytest.LogCaptureFixt
     with caplog.at_level("INFO"):
         triage.notify(run, wait, "v1.TOKENMARK.SIGNATURE")
     assert "TOKENMARK" not in caplog.text and "approve --run run-1" in caplog.text
+
+
+def test_retry_goes_on_with_a_failed_run_and_refuses_any_other(cli: Cli) -> None:
+    class Overloaded(ScriptedModel):
+        def complete(self, request: Any, signal: threading.Event) -> Any:
+            raise ModelError("overloaded_error: Overloaded (529), 4 retries")
+
+    engine = cli.engine(triage.make_agent(Overloaded([text("x")])))
+    run = engine.dispatch("triage", {"source": "t", "trigger": "t", "payload": REPORT})
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.FAILED
+    engine.close()
+    # The provider is back: the workers' agent (the scripted triage) takes the run on.
+    code, out, _ = cli("retry", run.id)
+    assert code == 0
+    assert f"retrying run {run.id} (triage) from step 0" in out
+    assert "waiting" in out and f"agentruns approve --run {run.id}" in out
+    said = cli.fails(2, "retry", run.id)
+    assert said.endswith(f"run {run.id} is waiting: only a failed run is retried")
+    assert "no run with id" in cli.fails(2, "retry", "no-such-run")

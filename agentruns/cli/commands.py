@@ -137,6 +137,16 @@ def cmd_cancel(session: Session, args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_retry(session: Session, args: argparse.Namespace) -> int:
+    engine = session.engine()
+    session.follow()
+    run = engine.retry(args.run)
+    session.raise_reported()
+    session.say(f"retrying run {run.id} ({run.agent}) from step {run.steps_used}")
+    session.settle()
+    return _report_run(session, engine.get_run(run.id))
+
+
 def cmd_recover(session: Session, args: argparse.Namespace) -> int:
     engine = session.engine()
     session.follow()

@@ -11,6 +11,7 @@ from agentruns.errors import (
     InvalidTokenError,
     InvalidTriggerError,
     NotMigratedError,
+    NotRetryableError,
     RunNotFoundError,
     UnknownAgentError,
     first_line,
@@ -47,7 +48,7 @@ def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tu
         return BAD_INPUT, f"invalid resume token ({exc.reason}): {detail}"
     if isinstance(exc, RunNotFoundError):
         return BAD_INPUT, f"no run with id {exc.run_id!r} (see `agentruns runs`)"
-    if isinstance(exc, UnknownAgentError | InvalidTriggerError):
+    if isinstance(exc, UnknownAgentError | InvalidTriggerError | NotRetryableError):
         return BAD_INPUT, str(exc)
     if isinstance(exc, ValidationError):
         problem = exc.errors()[0]

@@ -94,6 +94,9 @@ def build() -> Parser:
     p = command("cancel", "cancel a run", commands.cmd_cancel)
     p.add_argument("run", metavar="RUN")
 
+    p = command("retry", "queue a failed run again, from its latest checkpoint", commands.cmd_retry)
+    p.add_argument("run", metavar="RUN")
+
     command("recover", "requeue interrupted, crashed and lost runs", commands.cmd_recover)
     command("tick", "expire old approvals, re-send notifications", commands.cmd_tick)
 

@@ -86,6 +86,21 @@ _REFS = sa.select(
 ).select_from(R.outerjoin(C, _LOST_AT_ITS_STEP))
 
 
+def _started_after(run: Any) -> Any:
+    """The runs of ``run``'s thread created after it that have started, oldest first
+    (a run of a thread starts from the thread's completed runs as they then are)."""
+    later = R.alias("later")
+    return (
+        sa.select(later.c.id)
+        .where(
+            later.c.thread == run.c.thread,
+            sa.tuple_(later.c.created_at, later.c.id) > sa.tuple_(run.c.created_at, run.c.id),
+            sa.or_(later.c.status != RunStatus.QUEUED.value, later.c.message_count > 0),
+        )
+        .order_by(later.c.created_at, later.c.id)
+    )
+
+
 def _ref(r: RowMapping) -> RunRef:
     return RunRef(
         id=r["id"],
@@ -456,6 +471,49 @@ class SqlStore:
                 .first()
             )
             return run_from_row(row if row is not None else self._require(conn, run_id))
+
+    def retry(self, run_id: str) -> tuple[Run, bool]:
+        """Queue a failed run again, as it stands (its checkpoint, steps, pending answers,
+        effect records and usage kept): the run, and whether this retried it (False: it
+        is not failed, or a later run of its thread has started: it went on from the
+        thread's runs before this one).
+
+        One statement decides: two retries queue the run once."""
+        went_on = sa.exists(_started_after(R).with_only_columns(sa.literal(1)))
+        with self._atomic.begin() as conn:
+            row = (
+                conn.execute(
+                    R.update()
+                    .where(
+                        R.c.id == run_id,
+                        status_of_one == RunStatus.FAILED.value,
+                        sa.or_(R.c.thread.is_(None), ~went_on),
+                    )
+                    .values(
+                        status=RunStatus.QUEUED.value,
+                        error=sa.null(),
+                        output=None,
+                        cancel_requested=False,
+                        claim_owner=None,
+                        claim_expires_at=None,
+                        updated_at=utcnow(),
+                        finished_at=None,
+                    )
+                    .returning(*R.c)
+                )
+                .mappings()
+                .first()
+            )
+            if row is not None:
+                return run_from_row(row), True
+            return run_from_row(self._require(conn, run_id)), False
+
+    def thread_went_on(self, run_id: str) -> str | None:
+        """The first run of the run's thread created after it that has started, if any."""
+        me = R.alias("me")
+        query = _started_after(me).where(me.c.id == run_id).limit(1)
+        with self._reads.connect() as conn:
+            return conn.execute(query).scalar()
 
     # -- effect records --------------------------------------------------------
 

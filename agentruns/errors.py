@@ -125,6 +125,10 @@ class NotRetryableError(AgentrunsError):
         self.run_id = run_id
         super().__init__(message)
 
+    def __reduce__(self) -> tuple[type[NotRetryableError], tuple[str, str]]:
+        # Pickled whole (Celery keeps a task's error so, or shows a base class instead).
+        return type(self), (self.run_id, str(self))
+
 
 class InvalidTriggerError(AgentrunsError):
     """The trigger is not a valid envelope, or its payload is not JSON."""

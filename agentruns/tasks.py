@@ -384,6 +384,14 @@ def cancel(self: Any, run_id: str) -> dict[str, Any]:
     return _summary(run)
 
 
+@_task("agentruns.retry")
+def retry(self: Any, run_id: str) -> dict[str, Any]:
+    """Queue a failed run again, to go on from its latest checkpoint (``Engine.retry``)."""
+    with _retrying_outages(self):
+        run = get_engine().retry(run_id)
+    return _summary(run)
+
+
 @_task("agentruns.tick", throws=_OUTAGE_THROWS)
 def tick(self: Any) -> None:
     """Expire approvals past their time; re-send notifications that did not go through."""

@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator, Sequence
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
@@ -34,8 +35,10 @@ from celery.exceptions import ImproperlyConfigured
 from agentruns import CeleryScheduler, Engine, RedisLeases, Run, RunStatus, SqlStore
 from agentruns.celery import CLOCK_SKEW_S, defaults, sweeps_queue
 from agentruns.migrate import migrate
+from agentruns.runs import RunError, utcnow
 from agentruns.schedulers import ManualScheduler
 from agentruns.settings import get_settings
+from agentruns.store.base import Commit, Guard
 from bench.cluster import Cluster as BaseCluster
 from bench.cluster import Proc, forget_queue
 from tests.conftest import REDIS_URL, EngineFactory, trigger, wait_for
@@ -567,6 +570,25 @@ def test_redelivered_and_bad_messages_store_nothing_more(cluster: Cluster, engin
     assert answered() == expected
     assert "Retry in" not in worker.output() and "Traceback" not in worker.output()
     assert worker.popen.poll() is None
+
+
+def test_a_retry_task_takes_a_failed_run_on_in_a_worker(cluster: Cluster, engine: Engine) -> None:
+    from agentruns.tasks import retry
+
+    (worker,) = cluster.workers("w1")
+    run = engine.dispatch("quick", trigger({}), schedule=False)
+    claimed = engine.store.claim(run.id, "gone:1", utcnow() + timedelta(seconds=30))
+    assert claimed is not None
+    error = RunError(code="model_error", message="overloaded")
+    failing = Commit(status=RunStatus.FAILED, error=error, release_claim=True)
+    engine.store.commit(claimed.run, Guard(status=RunStatus.RUNNING, epoch=claimed.epoch), failing)
+    retry.delay(run.id)
+    wait_for(lambda: engine.get_run(run.id).status is not RunStatus.FAILED, "the retry")
+    done = wait_for(partial(completed, engine, run.id), "the run to complete")
+    assert_replayed_once(engine, done, QUICK_SCRIPT)
+    retry.delay(run.id)  # completed now: refused once, not retried
+    wait_for(lambda: "raised expected: NotRetryableError" in worker.output(), "the refusal")
+    assert "Retry in" not in worker.output()
 
 
 def test_a_tool_imports_from_the_working_directory_as_it_runs_in_a_worker(

@@ -3,6 +3,7 @@ checkpoint, its saved work and its effects not repeated."""
 
 from __future__ import annotations
 
+import pickle
 import threading
 from typing import Any
 
@@ -215,3 +216,11 @@ def test_retry_of_an_unknown_run_is_not_found(make_any_engine: EngineFactory) ->
     engine = make_any_engine([Agent("a", ScriptedModel([text("ok")]))])
     with pytest.raises(RunNotFoundError):
         engine.retry("no-such-run")
+
+
+def test_a_refusal_pickles_whole() -> None:
+    # Celery pickles a task's error: one that did not (two arguments, one kept) was
+    # shown as its base class, AgentrunsError.
+    refused = pickle.loads(pickle.dumps(NotRetryableError("r1", "run r1 is completed")))
+    assert type(refused) is NotRetryableError
+    assert (refused.run_id, str(refused)) == ("r1", "run r1 is completed")

@@ -31,6 +31,7 @@ from agentruns import (
     RedisLeases,
     RunStatus,
     SqlStore,
+    Usage,
     tool,
 )
 from agentruns.cli import main, render
@@ -845,3 +846,24 @@ def test_retry_goes_on_with_a_failed_run_and_refuses_any_other(cli: Cli) -> None
     said = cli.fails(2, "retry", run.id)
     assert said.endswith(f"run {run.id} is waiting: only a failed run is retried")
     assert "no run with id" in cli.fails(2, "retry", "no-such-run")
+
+
+def test_show_counts_the_tokens_read_from_and_written_to_the_cache(cli: Cli) -> None:
+    # `show` gave "20 in / 10 out" for a run that had used 1,030 tokens (cache reads
+    # are most of a real run's input), beside its token budget's "used 1030".
+    usage = Usage(
+        input_tokens=20,
+        output_tokens=10,
+        cache_read_input_tokens=900,
+        cache_creation_input_tokens=100,
+    )
+    engine = cli.engine(Agent("cached", ScriptedModel([text("ok")], usage=usage)))
+    run = engine.dispatch("cached", {"source": "t", "trigger": "t", "payload": {}})
+    assert engine.idle(10)
+    engine.close()
+    code, out, _ = cli("show", run.id)
+    assert code == 0
+    assert (
+        "usage     1 model steps, 1020 in (900 cache read, 100 cache write) / 10 out tokens" in out
+    )
+    assert '"ok"  (1020 in (900 cache read, 100 cache write) / 10 out)' in out

@@ -56,7 +56,22 @@ def short(value: Any, width: int = 60) -> str:
 
 
 def tokens(run: Run) -> str:
-    return f"{run.usage.input_tokens} in / {run.usage.output_tokens} out"
+    return used_tokens(run.usage.model_dump())
+
+
+def used_tokens(usage: dict[str, Any]) -> str:
+    """Tokens in and out; the input counts what the model read from its cache and
+    wrote to it (as a budget does: Anthropic's ``input_tokens`` leaves both out)."""
+
+    def count(name: str) -> int:
+        value = usage.get(name)
+        return value if isinstance(value, int) else 0
+
+    read, written = count("cache_read_input_tokens"), count("cache_creation_input_tokens")
+    cached = [f"{read} cache read"] * bool(read) + [f"{written} cache write"] * bool(written)
+    into = count("input_tokens") + read + written
+    note = f" ({', '.join(cached)})" if cached else ""
+    return f"{into} in{note} / {count('output_tokens')} out"
 
 
 def table(rows: Sequence[Sequence[str]], headers: Sequence[str]) -> str:
@@ -96,7 +111,7 @@ def step_detail(step: Step) -> str:
     if step.kind == "llm":
         calls = [c.get("name", "?") for c in out.get("tool_calls", [])]
         usage = out.get("usage") or {}
-        used = f"  ({usage.get('input_tokens', 0)} in / {usage.get('output_tokens', 0)} out)"
+        used = f"  ({used_tokens(usage)})"
         said = f"-> {', '.join(calls)}" if calls else f'"{short(out.get("text", ""), 56)}"'
         return said + used
     if step.kind == "wait":

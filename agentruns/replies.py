@@ -8,7 +8,7 @@ from typing import Any
 
 from agentruns.models.base import ModelResponse
 from agentruns.runs import Usage, is_storable_key, json_problem
-from agentruns.store.schema import MOST_TOKENS, TOOL_CALL_ID_LENGTH
+from agentruns.store.schema import MOST_TOKENS, STOP_REASON_LENGTH, TOOL_CALL_ID_LENGTH
 
 
 def usage_of(response: ModelResponse) -> Usage | None:
@@ -46,6 +46,12 @@ def malformed(response: ModelResponse) -> str | None:
     for what, said in (("model name", response.model), ("stop_reason", response.stop_reason)):
         if isinstance(said, str) and not is_storable_key(said):
             return f"its {what} holds a NUL character or is not UTF-8: {said[:200]!r}"
+    if isinstance(response.stop_reason, str) and len(response.stop_reason) > STOP_REASON_LENGTH:
+        # Postgres refused its checkpoint (internal_error; SQLite kept it whole).
+        return (
+            f"its stop_reason is longer than {STOP_REASON_LENGTH} characters: "
+            f"{response.stop_reason[:80]!r}..."
+        )
     seen: set[str] = set()
     # As a trigger's payload is: no NaN (Postgres refuses it, SQLite took it), nothing
     # nested deeper than a read of its step or wait point can return. The reply is

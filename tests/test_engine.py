@@ -874,8 +874,9 @@ def test_a_tool_call_id_no_store_can_key_an_effect_by_is_a_malformed_reply_on_bo
 def test_a_reply_one_store_would_refuse_is_a_malformed_reply_on_both(
     make_any_engine: EngineFactory,
 ) -> None:
-    # Postgres refused NaN in JSON, token counts past a bigint and a NUL in the model's
-    # name (internal_error); SQLite kept what it could.
+    # Postgres refused NaN in JSON, token counts past a bigint, a NUL in the model's
+    # name and a stop_reason longer than 64 characters (internal_error, the tools of
+    # a step already called); SQLite kept what it could.
     usage = Usage(input_tokens=10, output_tokens=5)
 
     def reply(**fields: Any) -> ModelResponse:
@@ -888,6 +889,7 @@ def test_a_reply_one_store_would_refuse_is_a_malformed_reply_on_both(
         ([{"type": "weird", "data": [float("inf")]}, text("ok")], usage + usage),
         (reply(model="m\x00", usage=usage), usage + usage),
         (reply(stop_reason="end\x00turn", usage=usage), usage + usage),
+        (reply(stop_reason="x" * 65, usage=usage), usage + usage),  # its checkpoint's column
         (reply(usage=Usage(input_tokens=2**70)), usage),
         (reply(usage=Usage(output_tokens=-5)), usage),
     ]

@@ -59,6 +59,8 @@ AGENT_NAME_LENGTH = 200
 
 # The longest tool call id (a model's; the Messages API's are about 30 characters).
 TOOL_CALL_ID_LENGTH = 200
+# The longest stop_reason a checkpoint keeps (the API's are a few words).
+STOP_REASON_LENGTH = 64
 
 # The statuses of the runs that hold a place in their concurrency key's line: an
 # older run queued, running, or interrupted (by a drain, until recover() requeues
@@ -109,7 +111,7 @@ runs = sa.Table(
     # The checkpoint pointer (SPEC §5) and the agent state stored with it.
     sa.Column("checkpoint_step", sa.Integer),
     sa.Column("checkpoint_messages", sa.Integer),
-    sa.Column("checkpoint_reason", sa.String(64)),
+    sa.Column("checkpoint_reason", sa.String(STOP_REASON_LENGTH)),
     sa.Column("checkpoint_at", TS),
     sa.Column("state", JSON),
     # Results and approval answers of the step in progress (see execution.py).

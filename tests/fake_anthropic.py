@@ -147,7 +147,15 @@ class ErrorReply:
     headers: dict[str, str] = field(default_factory=dict)
 
 
-AnyReply = Reply | ErrorReply
+@dataclass
+class RawReply:
+    """A 200 that is no event stream: a gateway's whole JSON message, a proxy's page."""
+
+    content_type: str
+    body: bytes
+
+
+AnyReply = Reply | ErrorReply | RawReply
 
 
 def reply(
@@ -183,6 +191,23 @@ def dropped() -> Reply:
     base = reply(text("never finished"))
     base.drop = True
     return base
+
+
+def unstreamed(then: Reply | None = None) -> RawReply:
+    """``then`` (default: a short text answer) as one JSON message, though a stream was
+    asked for (a gateway that does not stream)."""
+    base = then if then is not None else reply(text("whole answer"))
+    body = {
+        "id": "msg_unstreamed",
+        "type": "message",
+        "role": "assistant",
+        "model": base.model or "claude-test",
+        "content": base.content,
+        "stop_reason": base.stop_reason or "end_turn",
+        "stop_sequence": None,
+        "usage": base.usage,
+    }
+    return RawReply("application/json", json.dumps(body).encode())
 
 
 def error(
@@ -393,6 +418,8 @@ class _Handler(BaseHTTPRequestHandler):
         try:
             if isinstance(planned, ErrorReply):
                 self._send_error(planned)
+            elif isinstance(planned, RawReply):
+                self._send_raw(planned)
             elif isinstance(body, dict) and body.get("stream"):
                 self._send_stream(planned, request)
             else:
@@ -413,6 +440,14 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
+        self.wfile.flush()
+
+    def _send_raw(self, planned: RawReply) -> None:
+        self.send_response(200)
+        self.send_header("content-type", planned.content_type)
+        self.send_header("content-length", str(len(planned.body)))
+        self.end_headers()
+        self.wfile.write(planned.body)
         self.wfile.flush()
 
     def _send_error(self, planned: ErrorReply) -> None:

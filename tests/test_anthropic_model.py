@@ -22,6 +22,7 @@ from agentruns.models.anthropic import AnthropicModel
 from agentruns.runs import Usage
 from tests.fake_anthropic import (
     FakeAnthropic,
+    RawReply,
     dropped,
     error,
     make_model,
@@ -30,6 +31,7 @@ from tests.fake_anthropic import (
     text,
     thinking,
     tool_use,
+    unstreamed,
     usage,
 )
 
@@ -467,6 +469,26 @@ def test_a_stream_cut_off_every_time_says_so_not_that_the_api_was_unreachable(
         make_model(fake, max_retries=1).complete(request(), threading.Event())
     assert "response stream was cut off after 2 tries" in str(err.value)
     assert "could not reach" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [unstreamed(), RawReply("text/html", b"<html>sign in</html>")],
+    ids=["whole-json", "html-page"],
+)
+def test_a_whole_answer_that_is_no_stream_fails_at_once(
+    fake: FakeAnthropic, answer: RawReply
+) -> None:
+    # A gateway that answers a stream's request with one JSON message (or a proxy's
+    # page) was taken for a stream cut off: sent again four times, each billed, then
+    # "the response stream was cut off after 5 tries".
+    fake.push(answer, reply(text("never asked")))
+    with pytest.raises(ModelError) as err:
+        make_model(fake, max_retries=4).complete(request(), threading.Event())
+    assert len(fake.requests) == 1
+    said = str(err.value)
+    assert said.startswith("malformed model reply: the API answered with ")
+    assert answer.content_type in said and "not an event stream" in said
 
 
 def test_unreachable_server_fails_with_a_connection_message_after_retries() -> None:

@@ -27,6 +27,11 @@ class IncompleteStream(Exception):
     """The stream ended before ``message_stop``: the connection dropped; worth a retry."""
 
 
+class NotAStream(Exception):
+    """A 200 that is no event stream (a gateway that answers with the whole message as
+    JSON, a proxy's page): a reply, not a dropped stream; asking again gets the same."""
+
+
 class CutInput(Exception):
     """A complete reply whose tool call input is not whole JSON (the SDK reads a cut
     one leniently, so a call could run with part of its arguments)."""
@@ -56,6 +61,12 @@ class _Stream:
                         return
                     self._response = stream.response
                 try:
+                    kind = stream.response.headers.get("content-type", "").lower()
+                    if not kind.startswith("text/event-stream"):
+                        raise NotAStream(
+                            f"the API answered with {kind or 'no content type'}, not an event"
+                            " stream (a gateway or proxy between them?)"
+                        )
                     stopped = False
                     for event in stream:
                         if self._aborted:

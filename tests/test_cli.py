@@ -838,6 +838,8 @@ def test_retry_goes_on_with_a_failed_run_and_refuses_any_other(cli: Cli) -> None
     assert engine.idle(10)
     assert engine.get_run(run.id).status is RunStatus.FAILED
     engine.close()
+    code, out, _ = cli("show", run.id)
+    assert f"retry: agentruns retry {run.id}  (from its latest checkpoint)" in out
     # The provider is back: the workers' agent (the scripted triage) takes the run on.
     code, out, _ = cli("retry", run.id)
     assert code == 0

@@ -187,6 +187,8 @@ def header(run: Run, losses: int = 0, held_until: datetime | None = None) -> str
         lines.append(f"output    {short(run.output, 100)}")
     if run.error is not None:
         lines.append(f"error     {run.error.code}: {run.error.message}")
+    if run.status is RunStatus.FAILED:
+        lines.append(f"          retry: agentruns retry {run.id}  (from its latest checkpoint)")
     return "\n".join(plain(line) for line in lines)
 
 

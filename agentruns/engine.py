@@ -404,6 +404,7 @@ class Engine:
         if run.status is RunStatus.FAILED and run.error is not None:
             # Said where an operator looks: the task's own line says only "failed".
             log.warning("run %s failed: %s: %s", run.id, run.error.code, run.error.message[:500])
+            self._nudge_if_queued(run.id)
         key = run.concurrency_key
         # An interrupted run goes first again once recover() requeues it. The next
         # run is scheduled first: a slow notifier holds back no run of the key.
@@ -411,6 +412,16 @@ class Engine:
             self._schedule_next(key)
         if run.status is RunStatus.WAITING:
             self._approvals.paused(run)
+
+    def _nudge_if_queued(self, run_id: str) -> None:
+        """A retry that came while this engine still held the failed run's lease (a
+        listener's, at once) scheduled an execution that found the lease held and did
+        nothing: looked at again now, with the lease let go."""
+        try:
+            if self.store.get_run(run_id).status is RunStatus.QUEUED:
+                self.scheduler.schedule(run_id)
+        except Exception as exc:
+            self.report(exc)
 
     def _release_lease(self, run_id: str) -> None:
         try:
@@ -509,7 +520,9 @@ class Engine:
     def retry(self, run_id: str) -> Run:
         """Queue a failed run again, to go on from its latest checkpoint: its saved model
         responses and tool results are kept and not repeated, and effect tools return
-        their recorded results. Raises ``NotRetryableError`` if the run is not failed,
+        their recorded results. A run queued already (retried by another caller, or by
+        this call's first try, whose reply was lost) is scheduled again: a nudge, which
+        its claim decides. Raises ``NotRetryableError`` for a run in any other status,
         or if a later run of its thread has started."""
         run_id = intake.run_id(run_id)
         with self._calling():
@@ -517,15 +530,16 @@ class Engine:
                 run, retried = self.store.retry(run_id)
                 if retried:
                     self.events.run_updated(run)
-            if not retried:
+            if not retried and run.status is not RunStatus.QUEUED:
                 raise NotRetryableError(run_id, self._why_not_retried(run))
-            log.info("run %s queued again after it failed", run_id)
+            if retried:
+                log.info("run %s queued again after it failed", run_id)
             self.scheduler.schedule(run_id)
             return run
 
     def _why_not_retried(self, run: Run) -> str:
         if run.status is not RunStatus.FAILED:
-            return f"run {run.id} is {run.status.value}: only a failed run is retried"
+            return f"run {run.id} is {run.status.value}: only a failed (or queued) run is retried"
         later = self.store.thread_went_on(run.id)
         if later is None:  # it changed meanwhile
             return f"run {run.id} could not be retried as it was; look at it again"

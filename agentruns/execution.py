@@ -46,6 +46,7 @@ from agentruns.runs import (
     utcnow,
 )
 from agentruns.store.base import Claimed, Commit, Committed, Guard, NewStep, Store
+from agentruns.store.schema import THREAD_KEY
 from agentruns.toolcalls import EffectOutcomeUnknown, Outcome, ToolCaller, Wait
 from agentruns.tools import StateHolder, Tool
 from agentruns.tools import state_tools as make_state_tools
@@ -208,6 +209,8 @@ class Execution:
         if stored.damaged is not None:
             raise InvalidCheckpointError(f"cannot read {stored.damaged}")
         messages = stored.messages
+        if messages:  # it started before: from its thread's runs as they were then
+            self._check_thread_waited()
         unsaved: list[dict[str, Any]] = []
         if len(messages) < stored.base_messages:
             raise InvalidCheckpointError(
@@ -238,6 +241,23 @@ class Execution:
                 )
         transcript.validate(messages)
         return messages, unsaved, dict(stored.pending or {}), self._initial_state(state)
+
+    def _check_thread_waited(self) -> None:
+        """A run of its thread's own line goes on only while no later run of the thread
+        has started: a retry and a later run's claim, at one moment, could both pass
+        (each judged the other's row as it stood before), and the later run went on
+        from the thread's runs before this one. Completing after it, this run would
+        make the thread's next run skip it."""
+        thread = self.run.thread
+        if thread is None or self.run.concurrency_key != THREAD_KEY + thread:
+            return  # a key of its own: its thread's runs may run at once anyway
+        later = self.store.thread_went_on(self.run.id)
+        if later is not None:
+            raise InvalidCheckpointError(
+                f"run {later} of its thread {thread!r} started while this one was retried,"
+                " from the thread's runs before it: going on would fork the thread;"
+                " dispatch to the thread again"
+            )
 
     def _inherited(self, state: dict[str, Any] | None) -> dict[str, Any] | None:
         """A thread's state as this agent's state model takes it (fields it added get

@@ -14,7 +14,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
-from agentruns.errors import FatalToolError, exception_text, stops_the_task
+from agentruns.errors import FatalToolError, exception_text, first_line, stops_the_task
 from agentruns.runs import Run, storable_text
 from agentruns.store.base import EffectRecord, Store
 from agentruns.store.connect import dumps
@@ -146,10 +146,29 @@ class ToolCaller:
         )
         if begun.done:  # recorded since it was read, by an execution that lost the run
             return _recorded(begun.result, begun.is_error)
-        outcome = _invoke(tool, arguments, ctx)
+        try:
+            outcome = _invoke(tool, arguments, ctx)
+        except FatalToolError:
+            self._forget(begun)
+            raise
         recorded = outcome.output if not outcome.is_error else outcome.content
         self.store.finish_effect(self.run_id, self.epoch, begun, recorded, outcome.is_error)
         return outcome
+
+    def _forget(self, begun: EffectRecord) -> None:
+        """The tool said its call failed (``FatalToolError``): no outcome to keep, so a
+        retry of the run calls it again. If the intent cannot be deleted (an outage),
+        it stays, and a retry takes the call's outcome for unknown."""
+        try:
+            self.store.forget_effect(self.run_id, begun)
+        except Exception as exc:
+            log.warning(
+                "run %s: could not delete the intent of effect call %s that raised"
+                " FatalToolError (%s): a retry takes its outcome for unknown",
+                self.run_id,
+                begun.tool_call_id,
+                first_line(exc),
+            )
 
 
 def _invoke(tool: Tool, arguments: dict[str, Any], ctx: ToolContext) -> Outcome:

@@ -843,10 +843,10 @@ def test_retry_goes_on_with_a_failed_run_and_refuses_any_other(cli: Cli) -> None
     # The provider is back: the workers' agent (the scripted triage) takes the run on.
     code, out, _ = cli("retry", run.id)
     assert code == 0
-    assert f"retrying run {run.id} (triage) from step 0" in out
+    assert f"retrying run {run.id} (triage) from its latest checkpoint" in out
     assert "waiting" in out and f"agentruns approve --run {run.id}" in out
     said = cli.fails(2, "retry", run.id)
-    assert said.endswith(f"run {run.id} is waiting: only a failed run is retried")
+    assert said.endswith(f"run {run.id} is waiting: only a failed (or queued) run is retried")
     assert "no run with id" in cli.fails(2, "retry", "no-such-run")
 
 

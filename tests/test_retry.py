@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 
-from agentruns import Agent, FatalToolError, RunNotFoundError, RunStatus, tool
+from agentruns import Agent, Engine, FatalToolError, Run, RunNotFoundError, RunStatus, tool
 from agentruns.errors import NotRetryableError
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.models.base import ModelError, ModelRequest, ModelResponse
 from agentruns.schedulers import ManualScheduler
+from agentruns.store import schema
 from tests.conftest import EngineFactory, trigger
 
 
@@ -125,18 +126,21 @@ def test_a_retry_does_not_make_again_the_calls_done_before_a_fatal_one(
     assert [r["content"] for r in results] == ["found order", "charged 500", "ticket 7"]
 
 
-def test_only_a_failed_run_is_retried_and_only_once(make_any_engine: EngineFactory) -> None:
+def test_only_a_failed_run_is_retried_and_a_queued_one_is_nudged(
+    make_any_engine: EngineFactory,
+) -> None:
     engine = make_any_engine([Agent("a", ScriptedModel([text("ok")]))], scheduler=ManualScheduler())
     done = engine.dispatch("a", trigger({"n": 1}), schedule=False)
     engine.execute(done.id)
-    with pytest.raises(NotRetryableError, match="is completed: only a failed run is retried"):
+    with pytest.raises(NotRetryableError, match="is completed: only a failed"):
         engine.retry(done.id)
     assert engine.get_run(done.id).status is RunStatus.COMPLETED
-    failed = engine.dispatch("a", trigger({"n": 2}), schedule=False)
-    failed = engine.store.retry(failed.id)[0]  # queued: refused
-    assert failed.status is RunStatus.QUEUED
-    with pytest.raises(NotRetryableError, match="is queued"):
-        engine.retry(failed.id)
+    # Queued already: a retry whose first try committed though its reply was lost (the
+    # task tries again through an outage) was refused, and the run waited for recover.
+    queued = engine.dispatch("a", trigger({"n": 2}), schedule=False)
+    assert engine.retry(queued.id).status is RunStatus.QUEUED
+    assert engine.scheduler.scheduled == [queued.id]  # type: ignore[attr-defined]
+    assert engine.get_run(queued.id).updated_at == queued.updated_at  # unchanged
 
 
 def test_two_retries_at_once_queue_the_run_once(make_engine: EngineFactory) -> None:
@@ -147,24 +151,102 @@ def test_two_retries_at_once_queue_the_run_once(make_engine: EngineFactory) -> N
     engine = make_engine([agent], scheduler=ManualScheduler())
     run = engine.dispatch("a", trigger({}), schedule=False)
     assert engine.execute(run.id).status is RunStatus.FAILED
-    outcomes: list[str] = []
+    queued: list[str] = []
+    engine.on(
+        "run.updated", lambda e: queued.append(e.run.id) if e.run.status.value == "queued" else None
+    )
     barrier = threading.Barrier(4)
 
     def retry() -> None:
         barrier.wait()
-        try:
-            engine.retry(run.id)
-            outcomes.append("retried")
-        except NotRetryableError:
-            outcomes.append("refused")
+        assert engine.retry(run.id).status is RunStatus.QUEUED
 
     threads = [threading.Thread(target=retry) for _ in range(4)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert sorted(outcomes) == ["refused"] * 3 + ["retried"]
-    assert engine.scheduler.scheduled == [run.id]  # type: ignore[attr-defined]
+    assert queued == [run.id]  # one of them queued it; the others nudged it
+    assert engine.scheduler.scheduled == [run.id] * 4  # type: ignore[attr-defined]
+    assert engine.execute(run.id).status is RunStatus.FAILED  # (still broken)
+
+
+def test_a_run_retried_as_it_fails_goes_on_at_once(make_any_engine: EngineFactory) -> None:
+    # A listener that retried a run as soon as it failed (a provider's brief outage)
+    # scheduled an execution that found the failing execution's lease still held: the
+    # run sat queued until recover took it for a lost message (a minute).
+    model = _DownOnce([text("done")], turn=0)
+    engine = make_any_engine([Agent("a", model)])
+    retried: list[str] = []
+
+    def on_failure(event: Any) -> None:
+        if event.run.status is RunStatus.FAILED and not retried:
+            retried.append(event.run.id)
+            model.down.clear()
+            engine.retry(event.run.id)
+
+    engine.on("run.updated", on_failure)
+    run = engine.dispatch("a", trigger({}))
+    assert engine.idle(10)
+    assert retried == [run.id]
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+
+
+def test_an_effect_that_raised_fatal_tool_error_is_called_again_by_a_retry(
+    make_any_engine: EngineFactory,
+) -> None:
+    # Its intent stayed without a result: a retry took its outcome for unknown, and
+    # with on_unknown="fail" failed again at once, every time.
+    calls: list[str] = []
+    down = threading.Event()
+    down.set()
+
+    @tool(effect=True, on_unknown="fail")
+    def pay(cents: int) -> str:
+        """Pay."""
+        calls.append("pay")
+        if down.is_set():
+            raise FatalToolError("the payment service is down")
+        return f"paid {cents}"
+
+    model = ScriptedModel([tool_use("pay", {"cents": 5}), text("done")])
+    engine = make_any_engine([Agent("a", model, tools=[pay])], scheduler=ManualScheduler())
+    run = engine.dispatch("a", trigger({}), schedule=False)
+    failed = engine.execute(run.id)
+    assert failed.error is not None and failed.error.code == "fatal_tool_error"
+    assert engine.store.effects(run.id) == {}
+    down.clear()
+    engine.retry(run.id)
+    assert engine.execute(run.id).status is RunStatus.COMPLETED
+    assert calls == ["pay", "pay"]
+    (record,) = engine.store.effects(run.id).values()
+    assert record.done and record.result == "paid 5"
+
+
+def _thread_of_three(engine: Engine, down: threading.Event) -> tuple[Run, Run]:
+    """A thread's first run completed, its second failed (the model down, up again
+    now), its third queued behind it: the second and the third."""
+    runs = [
+        engine.dispatch("a", trigger({"say": word}), thread="t", schedule=False)
+        for word in ("first", "second", "third")
+    ]
+    assert engine.execute(runs[0].id).status is RunStatus.COMPLETED
+    assert engine.execute(runs[1].id).status is RunStatus.FAILED
+    down.clear()
+    return runs[1], runs[2]
+
+
+class _Flaky(ScriptedModel):
+    """Fails a run whose last message says "second" while ``down`` is set."""
+
+    def __init__(self, down: threading.Event) -> None:
+        super().__init__([text("ok")])
+        self.down = down
+
+    def complete(self, request: ModelRequest, signal: threading.Event) -> ModelResponse:
+        if self.down.is_set() and "second" in str(request.messages[-1]):
+            raise ModelError("overloaded")
+        return super().complete(request, signal)
 
 
 def test_a_run_of_a_thread_is_retried_only_while_no_later_run_of_it_has_started(
@@ -174,22 +256,8 @@ def test_a_run_of_a_thread_is_retried_only_while_no_later_run_of_it_has_started(
     # one completing afterwards would make the thread's next run skip the later one.
     down = threading.Event()
     down.set()
-
-    class Flaky(ScriptedModel):
-        def complete(self, request: ModelRequest, signal: threading.Event) -> ModelResponse:
-            if down.is_set() and "second" in str(request.messages[-1]):
-                raise ModelError("overloaded")
-            return super().complete(request, signal)
-
-    engine = make_any_engine([Agent("a", Flaky([text("ok")]))], scheduler=ManualScheduler())
-    runs = [
-        engine.dispatch("a", trigger({"say": word}), thread="t", schedule=False)
-        for word in ("first", "second", "third")
-    ]
-    first, second, third = runs
-    assert engine.execute(first.id).status is RunStatus.COMPLETED
-    assert engine.execute(second.id).status is RunStatus.FAILED
-    down.clear()
+    engine = make_any_engine([Agent("a", _Flaky(down))], scheduler=ManualScheduler())
+    second, third = _thread_of_three(engine, down)
     # The third is queued and has not started: the second may go first.
     assert engine.retry(second.id).status is RunStatus.QUEUED
     assert engine.execute(third.id).status is RunStatus.QUEUED  # behind the second
@@ -210,6 +278,49 @@ def test_a_run_of_a_thread_is_retried_only_while_no_later_run_of_it_has_started(
     with pytest.raises(NotRetryableError, match=f"run {fifth.id} of its thread 't' has started"):
         engine.retry(fourth.id)
     assert engine.get_run(fourth.id).status is RunStatus.FAILED
+
+
+def test_a_retry_that_raced_a_later_run_of_its_thread_does_not_fork_the_thread(
+    make_any_engine: EngineFactory,
+) -> None:
+    # A retry and the claim of a later run of the thread, at one moment on Postgres,
+    # each judged the other's row as it stood before: both went on. The later run
+    # continued from the thread's runs before the retried one, which completed after
+    # it, and the thread's next run continued from the retried one, skipping the later.
+    down = threading.Event()
+    down.set()
+    engine = make_any_engine([Agent("a", _Flaky(down))], scheduler=ManualScheduler())
+    second, third = _thread_of_three(engine, down)
+    assert engine.execute(third.id).status is RunStatus.COMPLETED  # went on without it
+    # What the racing retry committed, its check passed before the claim did:
+    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(
+            schema.runs.update()
+            .where(schema.runs.c.id == second.id)
+            .values(status="queued", error=None, finished_at=None)
+        )
+    refused = engine.execute(second.id)
+    assert refused.status is RunStatus.FAILED and refused.error is not None
+    assert refused.error.code == "invalid_checkpoint"
+    assert f"run {third.id} of its thread 't' started while this one was retried" in (
+        refused.error.message
+    )
+    fourth = engine.dispatch("a", trigger({"say": "fourth"}), thread="t", schedule=False)
+    assert engine.execute(fourth.id).status is RunStatus.COMPLETED
+    said = " ".join(str(m["content"]) for m in engine.checkpoint(fourth.id).messages)  # type: ignore[union-attr]
+    assert "first" in said and "third" in said and "second" not in said
+
+
+def test_a_later_run_of_the_thread_cancelled_before_it_started_does_not_hold_a_retry_back(
+    make_any_engine: EngineFactory,
+) -> None:
+    down = threading.Event()
+    down.set()
+    engine = make_any_engine([Agent("a", _Flaky(down))], scheduler=ManualScheduler())
+    second, third = _thread_of_three(engine, down)
+    assert engine.cancel(third.id).status is RunStatus.CANCELLED  # never started
+    assert engine.retry(second.id).status is RunStatus.QUEUED
+    assert engine.execute(second.id).status is RunStatus.COMPLETED
 
 
 def test_retry_of_an_unknown_run_is_not_found(make_any_engine: EngineFactory) -> None:

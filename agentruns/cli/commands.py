@@ -139,10 +139,14 @@ def cmd_cancel(session: Session, args: argparse.Namespace) -> int:
 
 def cmd_retry(session: Session, args: argparse.Namespace) -> int:
     engine = session.engine()
+    before = engine.get_run(args.run)
     session.follow()
     run = engine.retry(args.run)
     session.raise_reported()
-    session.say(f"retrying run {run.id} ({run.agent}) from step {run.steps_used}")
+    if before.status is RunStatus.QUEUED:
+        session.say(f"run {run.id} is queued already: sent to the workers again")
+    else:
+        session.say(f"retrying run {run.id} ({run.agent}) from its latest checkpoint")
     session.settle()
     return _report_run(session, engine.get_run(run.id))
 

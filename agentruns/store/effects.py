@@ -142,6 +142,22 @@ class Effects:
                 )
                 time.sleep(pause)
 
+    def forget(self, run_id: str, begun: EffectRecord) -> None:
+        """Delete the intent ``begin`` recorded (``begun``), still without a result: its
+        tool raised ``FatalToolError``, saying the call failed, and the run fails with
+        it. A retry of the run calls it again (with the same idempotency key), as it
+        does a tool that is no effect, instead of taking its outcome for unknown. Not
+        an intent a later attempt made its own (the run's new holder's)."""
+        with self._atomic.begin() as conn:
+            conn.execute(
+                E.delete().where(
+                    E.c.run_id == run_id,
+                    E.c.tool_call_id == begun.tool_call_id,
+                    E.c.status == "started",
+                    E.c.started_at == begun.started_at,
+                )
+            )
+
 
 def _record(row: RowMapping) -> EffectRecord:
     return EffectRecord(

@@ -95,7 +95,7 @@ def _started_after(run: Any) -> Any:
         .where(
             later.c.thread == run.c.thread,
             sa.tuple_(later.c.created_at, later.c.id) > sa.tuple_(run.c.created_at, run.c.id),
-            sa.or_(later.c.status != RunStatus.QUEUED.value, later.c.message_count > 0),
+            later.c.started_at.is_not(None),  # claimed once (not one cancelled queued)
         )
         .order_by(later.c.created_at, later.c.id)
     )
@@ -524,6 +524,9 @@ class SqlStore:
         self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
     ) -> EffectRecord:
         return self._effects.begin(run_id, epoch, tool_call_id, tool_name, key)
+
+    def forget_effect(self, run_id: str, begun: EffectRecord) -> None:
+        return self._effects.forget(run_id, begun)
 
     def finish_effect(
         self, run_id: str, epoch: int, begun: EffectRecord, result: Any, is_error: bool

@@ -539,3 +539,61 @@ def test_runs_go_on_through_a_lost_broker_connection_when_the_leases_stay(
         # Its task's message was acked on the connection that came back ("Couldn't
         # ack", CRITICAL, and a redelivery an hour later, when it was not).
         assert "CRITICAL" not in worker.output(), worker.output()[-3000:]
+
+
+def test_an_effects_result_is_recorded_through_an_outage_of_seconds(
+    db_url: str, redis_prefix: str, proxy: Proxy, errors: Errors
+) -> None:
+    # Postgres away for 10 s while the tool ran (a failover, a restart): the result's
+    # record was given up after 4 s, though the worker held the result and its lease,
+    # and the call was made again once the database was back.
+    paid: list[str] = []
+    back = threading.Timer(10.0, proxy.restore)
+
+    @tool(effect=True)
+    def pay(amount: int, ctx: ToolContext) -> str:
+        """Pay."""
+        paid.append(ctx.idempotency_key)
+        if len(paid) == 1:
+            proxy.cut()
+            back.start()
+        return f"paid {amount}"
+
+    via_proxy = db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    model = ScriptedModel([tool_use("pay", {"amount": 5}), text("Paid.")])
+    agent = Agent("a", model, tools=[pay])
+    engine = _engine(via_proxy, RedisLeases(prefix=redis_prefix), agent, errors, lease_ttl=30)
+    try:
+        run = engine.dispatch("a", trigger({}))
+        wait_for(lambda: engine.idle(0), "the execution", timeout=60)
+        back.join()
+        _finish_recovering(engine, run.id, timeout=60)
+        assert len(paid) == 1, paid
+        (record,) = engine.store.effects(run.id).values()
+        assert record.done and record.result == "paid 5"
+    finally:
+        engine.close()
+
+
+def test_an_effects_intent_whose_reply_was_lost_is_not_taken_for_an_unknown_outcome(
+    through_proxy: Engine, proxy: Proxy, errors: Errors
+) -> None:
+    # The intent committed and its reply was lost: the execution aborted, and the next
+    # one took the call for one that may have happened (with on_unknown="fail", the
+    # run failed effect_outcome_unknown), though the tool was never called.
+    paid: list[str] = []
+
+    @tool(effect=True, on_unknown="fail")
+    def pay(amount: int) -> str:
+        """Pay."""
+        paid.append("pay")
+        return f"paid {amount}"
+
+    engine = through_proxy
+    model = ScriptedModel([tool_use("pay", {"amount": 5}), text("Paid.")])
+    engine.register(Agent("p", model, tools=[pay]))
+    run = engine.dispatch("p", trigger({}))
+    proxy.lose_reply_to(b"COMMIT\x00")  # the first transaction of its own: the intent's
+    done = engine.execute(run.id)
+    assert done.status is RunStatus.COMPLETED, done.error
+    assert paid == ["pay"] and errors == []

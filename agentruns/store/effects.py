@@ -6,6 +6,7 @@ of calling again. Both writes are fenced by the run's status and epoch."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 import time
 from typing import Any
@@ -25,9 +26,12 @@ log = logging.getLogger("agentruns")
 R = schema.runs
 E = schema.effects
 
-# Between the tries of an effect's result record, and how long they may go on.
+# Between the tries of an effect's result record (the last, from then on), and how
+# long they may go on: through a failover or a restart of Postgres, which take
+# seconds to tens of seconds. (Given up sooner, the call was made again once the
+# database was back, though the worker held its result all along.)
 _FINISH_EFFECT_PAUSES_S = (0.0, 0.25, 0.5, 1.0, 2.0)
-_FINISH_EFFECT_TRIES_S = 4.0
+_FINISH_EFFECT_TRIES_S = 45.0
 
 
 class Effects:
@@ -65,7 +69,22 @@ class Effects:
         intent recorded before without a result is an earlier attempt's: it becomes
         this one's (``started_at``, which its result's record names). A result recorded
         meanwhile (by an execution that lost the run, when its worker went on) is
-        returned instead, done: the call happened, and is not to be made again."""
+        returned instead, done: the call happened, and is not to be made again.
+
+        Sent once more on a new connection if its connection was gone: a first try
+        that committed, its reply lost, left an intent the next execution took for
+        an attempt whose outcome is unknown, though no call was made. A second try
+        makes that intent this attempt's."""
+        try:
+            return self._begin(run_id, epoch, tool_call_id, tool_name, key)
+        except sa.exc.OperationalError as exc:
+            if not exc.connection_invalidated:
+                raise
+            return self._begin(run_id, epoch, tool_call_id, tool_name, key)
+
+    def _begin(
+        self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
+    ) -> EffectRecord:
         now = utcnow()
         with self._atomic.begin() as conn:
             self._fence(conn, run_id, epoch)
@@ -98,8 +117,9 @@ class Effects:
     ) -> None:
         """Record the result of the effect call ``begin`` began (``begun``). The one write
         whose loss repeats a side effect (recovery finds an intent without a result): a
-        connection that died while the tool ran (a restart, a killed backend) is tried
-        again on a new one, for a few seconds. It sets what it sets: safe to repeat.
+        connection that died while the tool ran (a restart, a failover, a killed
+        backend) is tried again on a new one, for up to 45 s. It sets what it sets:
+        safe to repeat, and safe however late (see below).
 
         An execution that lost the run while the tool ran (its worker paused or cut
         off past its lease) still records what its call did, then raises
@@ -110,7 +130,8 @@ class Effects:
         of the run, which it does not touch."""
         tool_call_id, attempt = begun.tool_call_id, begun.started_at
         deadline: float | None = None  # from the first failure on
-        for pause in (*_FINISH_EFFECT_PAUSES_S, None):
+        for tries in itertools.count():
+            pause = _FINISH_EFFECT_PAUSES_S[min(tries, len(_FINISH_EFFECT_PAUSES_S) - 1)]
             try:
                 with self._atomic.begin() as conn:
                     holds = self._holds(conn, run_id, epoch)
@@ -128,18 +149,21 @@ class Effects:
                     raise LeaseLostError(run_id)
                 return
             except DATABASE_OUTAGE as exc:
-                # For a few seconds from the first failure: a silent server (each try
-                # waiting out its timeout) would hold the execution, and its drain, long.
+                # Bounded: a silent server (each try waiting out its timeout) would
+                # hold the execution, and its drain, for as long as it lasts.
                 if deadline is None:
                     deadline = time.monotonic() + _FINISH_EFFECT_TRIES_S
-                if pause is None or time.monotonic() + pause > deadline:
+                if time.monotonic() + pause > deadline:
                     raise
-                log.warning(
-                    "run %s: could not record the result of effect call %s (%s); trying again",
-                    run_id,
-                    tool_call_id,
-                    first_line(exc),
-                )
+                if not tries:  # once, not at every try of an outage
+                    log.warning(
+                        "run %s: could not record the result of effect call %s (%s); trying"
+                        " again for up to %d s",
+                        run_id,
+                        tool_call_id,
+                        first_line(exc),
+                        _FINISH_EFFECT_TRIES_S,
+                    )
                 time.sleep(pause)
 
     def forget(self, run_id: str, begun: EffectRecord) -> None:

@@ -2576,3 +2576,36 @@ def test_a_claim_that_waited_past_its_lease_is_given_up_not_run_beside_its_recov
     assert done.status is RunStatus.COMPLETED
     assert late.get_run(run.id).status is RunStatus.COMPLETED
     assert len(calls) == 1
+
+
+def test_recover_goes_past_a_run_another_session_holds_locked(
+    make_engine: EngineFactory, db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A worker cut off from Postgres in the middle of a write left its backend idle in
+    # its transaction, holding the run's row until the server noticed (hours): every
+    # sweep waited on it, and the lost runs behind it were never requeued.
+    agents = [Agent("a", ScriptedModel([text("ok")]))]
+    engine = make_engine(agents, scheduler=ManualScheduler())
+    locked, other = (engine.dispatch("a", trigger({"n": n}), schedule=False) for n in range(2))
+    for run in (locked, other):
+        _lost_with_its_worker(engine, run.id)
+    holding, done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with psycopg.connect(db_url.replace("+psycopg", "")) as holder:
+            holder.execute("SELECT 1 FROM agentruns_runs WHERE id = %s FOR UPDATE", (locked.id,))
+            holding.set()
+            done.wait(15)  # (a bound, for the sweep that would wait it out)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert holding.wait(10)
+        since = time.monotonic()
+        assert engine.recover() == [other.id]
+        assert time.monotonic() - since < 10
+        assert f"recover: run {locked.id} is locked by another session" in caplog.text
+    finally:
+        done.set()
+        holder.join()
+    assert engine.recover() == [locked.id]  # let go: the next sweep takes it

@@ -803,6 +803,22 @@ def test_a_store_reads_its_times_whatever_the_date_style_and_time_zone(db_url: s
     store.close()
 
 
+def test_a_session_idle_in_its_transaction_is_ended_by_the_server(db_url: str) -> None:
+    # A worker cut off in the middle of a transaction left its backend holding the
+    # run's row for as long as the server's keepalives took (hours): sweeps waited.
+    store = SqlStore(db_url, pool_size=1, max_overflow=0)
+    with store.engine.connect() as conn:
+        said = conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar()
+    assert said == "1min"
+    store.close()
+    # A limit of the role's or database's own (here, the connection's) stands.
+    store = SqlStore(db_url, connect_args={"options": "-c idle_in_transaction_session_timeout=5s"})
+    with store.engine.connect() as conn:
+        said = conn.exec_driver_sql("SHOW idle_in_transaction_session_timeout").scalar()
+    assert said == "5s"
+    store.close()
+
+
 def test_a_connection_comes_back_from_a_transaction_block_idle_and_autocommit(
     db_url: str,
 ) -> None:

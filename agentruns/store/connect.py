@@ -229,6 +229,21 @@ def _session_settings(dbapi_conn: Any, _record: Any) -> None:
         if result.status != ExecStatus.COMMAND_OK:
             message = result.error_message.decode(errors="replace").strip()
             raise psycopg.OperationalError(f"cannot set {setting.decode()}: {message}")
+    # A session cut off in the middle of a transaction (its client's network gone)
+    # keeps the rows it wrote locked until the server notices, which its keepalives
+    # take hours to: every other write to them waits. The server ends such a session
+    # after a minute idle in its transaction, unless the role or database has a
+    # limit of its own. (The store's transactions are milliseconds long.)
+    result = dbapi_conn.pgconn.exec_(_IDLE_IN_TRANSACTION)
+    if result.status != ExecStatus.TUPLES_OK:
+        message = result.error_message.decode(errors="replace").strip()
+        raise psycopg.OperationalError(f"cannot set idle_in_transaction_session_timeout: {message}")
+
+
+_IDLE_IN_TRANSACTION = (
+    b"SELECT set_config('idle_in_transaction_session_timeout', '60s', false)"
+    b" WHERE current_setting('idle_in_transaction_session_timeout') = '0'"
+)
 
 
 def _rollback_if_in_transaction(dbapi_conn: Any, _record: Any, state: Any) -> None:

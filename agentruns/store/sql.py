@@ -13,6 +13,7 @@ from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
+from psycopg.errors import LockNotAvailable
 from sqlalchemy.engine import Connection, RowMapping
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
@@ -70,6 +71,9 @@ _LOST_AT_ITS_STEP = sa.and_(C.c.run_id == R.c.id, C.c.at_step == R.c.step_count)
 
 
 _NOT_FINAL = [status.value for status in RunStatus if not status.is_final]
+
+# How long a sweep's requeue waits for a run's row another session holds.
+_SWEEP_LOCK_WAIT_MS = 2000
 
 
 # What the sweeps read of runs: with the losses counted at the run's step (none,
@@ -583,15 +587,35 @@ class SqlStore:
             claim_expires_at=None,
             updated_at=utcnow(),
         )
-        with self.engine.begin() as conn:
-            row = conn.execute(stmt.returning(*R.c)).mappings().first()
-            if row is not None and count_loss:
-                self._count_loss(conn, ref.id, row["step_count"])
-            elif row is not None and ref.status is not RunStatus.QUEUED:
-                # Drained, or given up by a live worker: not a loss, and the losses
-                # before it are no longer in a row.
-                conn.execute(C.delete().where(C.c.run_id == ref.id))
+        try:
+            with self._atomic.begin() as conn:
+                if conn.dialect.name == "postgresql":
+                    # A session cut off in the middle of a write to this run (its
+                    # network gone, its server-side backend not) holds the run's row
+                    # until the server notices: the sweep goes on to the next run.
+                    conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{_SWEEP_LOCK_WAIT_MS}ms'")
+                row = conn.execute(stmt.returning(*R.c)).mappings().first()
+                self._after_requeue(conn, ref, row, count_loss)
+        except OperationalError as exc:
+            if not isinstance(exc.orig, LockNotAvailable):
+                raise
+            log.warning(
+                "recover: run %s is locked by another session (one cut off mid-write?);"
+                " left for a later sweep",
+                ref.id,
+            )
+            return None
         return run_from_row(row) if row is not None else None
+
+    def _after_requeue(
+        self, conn: Connection, ref: RunRef, row: RowMapping | None, count_loss: bool
+    ) -> None:
+        if row is not None and count_loss:
+            self._count_loss(conn, ref.id, row["step_count"])
+        elif row is not None and ref.status is not RunStatus.QUEUED:
+            # Drained, or given up by a live worker: not a loss, and the losses
+            # before it are no longer in a row.
+            conn.execute(C.delete().where(C.c.run_id == ref.id))
 
     def forget_losses(self) -> int:
         """Delete the counts of losses that no longer count: of runs that got on past the

@@ -88,7 +88,12 @@ class Engine:
                 f"{MAX_SECONDS} seconds (not {lease_ttl!r}, {requeue_after!r})"
             )
         self.store: Store = SqlStore(store) if isinstance(store, str) else store
-        self.store.check_schema()
+        try:
+            self.store.check_schema()
+        except BaseException:
+            if isinstance(store, str):  # its own: nothing else would close its pool
+                self.store.close()
+            raise
         self.leases: Leases = leases if leases is not None else LocalLeases()
         self.scheduler: Scheduler = scheduler if scheduler is not None else LocalScheduler()
         self.secret = _signing_key(secret, self.leases)

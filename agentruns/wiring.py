@@ -81,22 +81,28 @@ def engine_from_settings(
             " worker's Redis broker), every process needs the same secret to sign and check"
             " resume tokens"
         )
+    store = SqlStore(s.database_url, pool_size=s.database_pool_size)
     kwargs: EngineOptions = {
-        "store": SqlStore(s.database_url, pool_size=s.database_pool_size),
+        "store": store,
         "agents": load_agents(s.agent_modules),
         "secret": s.secret,
         "slots": s.slots,
         "lease_ttl": s.lease_ttl,
         "requeue_after": s.requeue_after,
     }
-    if s.redis_url:
-        kwargs["leases"] = RedisLeases(s.redis_url)
-        kwargs["scheduler"] = CeleryScheduler()
-    else:
-        kwargs["leases"] = LocalLeases()
-        kwargs["scheduler"] = LocalScheduler()
+    leases: Leases = RedisLeases(s.redis_url) if s.redis_url else LocalLeases()
+    kwargs["leases"] = leases
+    kwargs["scheduler"] = CeleryScheduler() if s.redis_url else LocalScheduler()
+    built: list[Store | Leases] = [store, leases]
     kwargs.update(overrides)
-    engine = Engine(**kwargs)
+    try:
+        engine = Engine(**kwargs)
+    except BaseException:
+        # What was built here for it (a worker on a database not migrated yet builds
+        # an engine for each message it gives back: each left a connection open).
+        for part in built:
+            part.close()
+        raise
     if s.redis_url and isinstance(kwargs["leases"], RedisLeases):
         from agentruns.broadcast import EventPublisher
 

@@ -25,8 +25,9 @@ from agentruns.migrate import migrate
 from agentruns.migrations import HEAD, REVISIONS, current_revision
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import Run, utcnow
+from agentruns.settings import Settings
 from agentruns.store.base import Commit, Guard, NewRun, NewStep
-from tests.conftest import database_away, drop_connections, free_port, wait_for
+from tests.conftest import PG_ADMIN, database_away, drop_connections, free_port, wait_for
 
 
 def new_run(key: str | None = None, idem: str | None = None) -> NewRun:
@@ -78,6 +79,31 @@ def test_an_engine_refuses_an_unmigrated_database_naming_agentruns_migrate(
         store = SqlStore(url)
         assert store.migrate() == migrate(url)  # idempotent
         Engine(store, agents=[agent], secret="s").close()
+
+
+def test_an_engine_refused_by_the_schema_leaves_no_connection_open(
+    empty_pg: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A worker on a database not migrated yet builds an engine for each message it
+    # gives back: each refused one left a connection open, and Postgres ran out of
+    # them (100 in about 30 s), `agentruns migrate` too.
+    from agentruns.wiring import engine_from_settings
+
+    monkeypatch.setenv("AGENTRUNS_DATABASE_URL", empty_pg)
+    monkeypatch.setenv("AGENTRUNS_AGENTS", "workers.triage")
+    for var in ("AGENTRUNS_REDIS_URL", "AGENTRUNS_BROKER_URL"):
+        monkeypatch.delenv(var, raising=False)
+    for _ in range(10):
+        with pytest.raises(NotMigratedError):
+            Engine(empty_pg, secret="s")
+        with pytest.raises(NotMigratedError):
+            engine_from_settings(Settings())
+    name = sa.make_url(empty_pg).database
+    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
+        count = admin.execute(
+            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (name,)
+        ).fetchone()
+    assert count is not None and count[0] == 0
 
 
 def test_an_engine_on_a_database_a_newer_release_migrated_says_so(tmp_path: object) -> None:

@@ -290,7 +290,9 @@ def _engine_or_give_back() -> Engine:
         return get_engine()
     except NotMigratedError as exc:
         time.sleep(_GIVE_BACK_PAUSE_S)
-        raise Reject(f"this worker cannot work on this database yet: {exc}", requeue=True) from exc
+        # (Not chained: Celery logs a rejection with its traceback, and the whole chain
+        # of a refused schema, every second, for every message given back.)
+        raise Reject(f"this worker cannot work on this database yet: {exc}", requeue=True) from None
 
 
 def _summary(run: Run) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from alembic import command
 from alembic.config import Config
 
 from agentruns.errors import AgentrunsError
-from agentruns.migrations import current_revision
+from agentruns.migrations import HEAD, REVISIONS, current_revision
 from agentruns.store.connect import make_engine
 
 _SCRIPTS = str(Path(__file__).parent / "migrations")
@@ -42,6 +42,14 @@ def migrate(url: str, lock_timeout: float = LOCK_TIMEOUT_S) -> str | None:
                 conn.execute(
                     sa.text("SELECT set_config('lock_timeout', :ms, true)"),
                     {"ms": f"{max(1, round(lock_timeout * 1000))}ms"},
+                )
+            current = current_revision(conn)
+            if current is not None and current not in REVISIONS:
+                # Alembic's own word for it: "Can't locate revision identified by …".
+                raise AgentrunsError(
+                    f"the database is at schema {current}, newer than this release of"
+                    f" agentruns knows (its newest is {HEAD}): a newer release migrated it;"
+                    " run that release's `agentruns migrate`, or nothing"
                 )
             config = _config()
             config.attributes["connection"] = conn

@@ -117,6 +117,10 @@ def test_an_engine_on_a_database_a_newer_release_migrated_says_so(tmp_path: obje
     engine.dispose()
     with pytest.raises(NotMigratedError, match="at schema 9999, newer than this release"):
         SqlStore(url).check_schema()
+    # And `agentruns migrate` there (a deploy rolled back): it said "unexpected
+    # CommandError: Can't locate revision identified by '9999'".
+    with pytest.raises(AgentrunsError, match="at schema 9999, newer than this release"):
+        migrate(url)
 
 
 def test_the_revisions_an_engine_checks_for_are_alembics_own() -> None:

@@ -42,6 +42,7 @@ from agentruns import (
 from agentruns.celery import sweeps_queue
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
+from agentruns.tools import Tool
 from bench.cluster import Cluster
 from tests.conftest import REDIS_URL, Errors, trigger, wait_for
 from tests.support import celery_agents
@@ -298,6 +299,16 @@ def test_an_effects_result_is_recorded_across_a_dropped_connection_and_not_repea
         engine.close()
 
 
+def _paying_through(
+    proxy: Proxy, db_url: str, redis_prefix: str, errors: Errors, pay: Tool, lease_ttl: float
+) -> Engine:
+    """An engine on the database through ``proxy`` whose agent pays 5 with ``pay``."""
+    via_proxy = db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    model = ScriptedModel([tool_use("pay", {"amount": 5}), text("Paid.")])
+    agent = Agent("a", model, tools=[pay])
+    return _engine(via_proxy, RedisLeases(prefix=redis_prefix), agent, errors, lease_ttl=lease_ttl)
+
+
 def test_an_effects_result_is_recorded_after_a_first_try_that_failed_slowly(
     db_url: str,
     redis_prefix: str,
@@ -322,10 +333,7 @@ def test_an_effects_result_is_recorded_after_a_first_try_that_failed_slowly(
         threading.Timer(5.0, drop).start()
         return f"paid {amount}"
 
-    via_proxy = db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
-    model = ScriptedModel([tool_use("pay", {"amount": 5}), text("Paid.")])
-    agent = Agent("a", model, tools=[pay])
-    engine = _engine(via_proxy, RedisLeases(prefix=redis_prefix), agent, errors, lease_ttl=20)
+    engine = _paying_through(proxy, db_url, redis_prefix, errors, pay, lease_ttl=20)
     try:
         run = engine.dispatch("a", trigger({}))
         wait_for(lambda: engine.idle(0), "the execution", timeout=30)
@@ -559,10 +567,7 @@ def test_an_effects_result_is_recorded_through_an_outage_of_seconds(
             back.start()
         return f"paid {amount}"
 
-    via_proxy = db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
-    model = ScriptedModel([tool_use("pay", {"amount": 5}), text("Paid.")])
-    agent = Agent("a", model, tools=[pay])
-    engine = _engine(via_proxy, RedisLeases(prefix=redis_prefix), agent, errors, lease_ttl=30)
+    engine = _paying_through(proxy, db_url, redis_prefix, errors, pay, lease_ttl=30)
     try:
         run = engine.dispatch("a", trigger({}))
         wait_for(lambda: engine.idle(0), "the execution", timeout=60)

@@ -223,9 +223,13 @@ def test_an_effect_that_raised_fatal_tool_error_is_called_again_by_a_retry(
     assert record.done and record.result == "paid 5"
 
 
-def _thread_of_three(engine: Engine, down: threading.Event) -> tuple[Run, Run]:
-    """A thread's first run completed, its second failed (the model down, up again
-    now), its third queued behind it: the second and the third."""
+def _thread_of_three(make: EngineFactory) -> tuple[Engine, threading.Event, Run, Run]:
+    """An engine whose model is down for a thread's second run, up again now (``down``,
+    cleared), and the thread's second run, failed for it, and third, queued behind
+    it (its first completed)."""
+    down = threading.Event()
+    down.set()
+    engine = make([Agent("a", _Flaky(down))], scheduler=ManualScheduler())
     runs = [
         engine.dispatch("a", trigger({"say": word}), thread="t", schedule=False)
         for word in ("first", "second", "third")
@@ -233,7 +237,7 @@ def _thread_of_three(engine: Engine, down: threading.Event) -> tuple[Run, Run]:
     assert engine.execute(runs[0].id).status is RunStatus.COMPLETED
     assert engine.execute(runs[1].id).status is RunStatus.FAILED
     down.clear()
-    return runs[1], runs[2]
+    return engine, down, runs[1], runs[2]
 
 
 class _Flaky(ScriptedModel):
@@ -254,10 +258,7 @@ def test_a_run_of_a_thread_is_retried_only_while_no_later_run_of_it_has_started(
 ) -> None:
     # A later run of the thread went on from the runs before the failed one: the failed
     # one completing afterwards would make the thread's next run skip the later one.
-    down = threading.Event()
-    down.set()
-    engine = make_any_engine([Agent("a", _Flaky(down))], scheduler=ManualScheduler())
-    second, third = _thread_of_three(engine, down)
+    engine, down, second, third = _thread_of_three(make_any_engine)
     # The third is queued and has not started: the second may go first.
     assert engine.retry(second.id).status is RunStatus.QUEUED
     assert engine.execute(third.id).status is RunStatus.QUEUED  # behind the second
@@ -287,10 +288,7 @@ def test_a_retry_that_raced_a_later_run_of_its_thread_does_not_fork_the_thread(
     # each judged the other's row as it stood before: both went on. The later run
     # continued from the thread's runs before the retried one, which completed after
     # it, and the thread's next run continued from the retried one, skipping the later.
-    down = threading.Event()
-    down.set()
-    engine = make_any_engine([Agent("a", _Flaky(down))], scheduler=ManualScheduler())
-    second, third = _thread_of_three(engine, down)
+    engine, _, second, third = _thread_of_three(make_any_engine)
     assert engine.execute(third.id).status is RunStatus.COMPLETED  # went on without it
     # What the racing retry committed, its check passed before the claim did:
     with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
@@ -314,10 +312,7 @@ def test_a_retry_that_raced_a_later_run_of_its_thread_does_not_fork_the_thread(
 def test_a_later_run_of_the_thread_cancelled_before_it_started_does_not_hold_a_retry_back(
     make_any_engine: EngineFactory,
 ) -> None:
-    down = threading.Event()
-    down.set()
-    engine = make_any_engine([Agent("a", _Flaky(down))], scheduler=ManualScheduler())
-    second, third = _thread_of_three(engine, down)
+    engine, _, second, third = _thread_of_three(make_any_engine)
     assert engine.cancel(third.id).status is RunStatus.CANCELLED  # never started
     assert engine.retry(second.id).status is RunStatus.QUEUED
     assert engine.execute(second.id).status is RunStatus.COMPLETED

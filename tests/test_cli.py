@@ -602,6 +602,14 @@ def test_a_database_that_cannot_be_reached_is_one_line(
         line = cli.fails(1, *argv)
         assert "cannot open the database postgresql+psycopg://postgres@127.0.0.1:1/x" in line
         assert "Connection refused" in line
+    # A server without the database: migrate makes tables, not databases (it said to
+    # run migrate, to migrate).
+    monkeypatch.setenv(
+        "AGENTRUNS_DATABASE_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/agentruns_nowhere"
+    )
+    line = cli.fails(1, "migrate")
+    assert 'database "agentruns_nowhere" does not exist' in line
+    assert "create it (`createdb`, or your provider's console), then `agentruns migrate`" in line
 
 
 def test_a_url_that_is_not_one_names_its_setting_and_hides_its_password(

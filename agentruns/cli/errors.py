@@ -91,7 +91,10 @@ def database_failure(database: str, exc: sqlalchemy.exc.DBAPIError) -> str:
 
 
 def unreachable_database(database: str, exc: sqlalchemy.exc.DBAPIError) -> str:
-    return (
-        f"cannot open the database {database}: {first_line(exc.orig or exc, typed=False)} "
-        "(check AGENTRUNS_DATABASE_URL; a new database needs `agentruns migrate`)"
-    )
+    said = first_line(exc.orig or exc, typed=False)
+    if 'database "' in said and "does not exist" in said:
+        # `agentruns migrate` makes the tables, not the database (it said to run it).
+        advice = "create it (`createdb`, or your provider's console), then `agentruns migrate`"
+    else:
+        advice = "check AGENTRUNS_DATABASE_URL; a new database needs `agentruns migrate`"
+    return f"cannot open the database {database}: {said} ({advice})"

@@ -189,21 +189,6 @@ class Approvals:
         except Exception as exc:
             self.engine.report(exc)
 
-    def paused(self, run: Run) -> None:
-        """After a run paused and its lease is let go: announce the wait, unless it was
-        answered already. An answer (a listener's, or a quick person's) that came while
-        the engine still held the lease scheduled an execution that found the lease
-        held and did nothing: this one schedules it again."""
-        engine = self.engine
-        try:
-            current = engine.store.get_run(run.id)
-            if current.status is RunStatus.QUEUED:
-                engine.scheduler.schedule(run.id)
-            elif current.status is RunStatus.WAITING:
-                self.notify(current)
-        except Exception as exc:
-            engine.report(exc)
-
     def notify(self, run: Run) -> None:
         """Call the agent's notifier for the run's wait point; mark it notified if it returns."""
         engine = self.engine

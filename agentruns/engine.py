@@ -409,22 +409,25 @@ class Engine:
         if run.status is RunStatus.FAILED and run.error is not None:
             # Said where an operator looks: the task's own line says only "failed".
             log.warning("run %s failed: %s: %s", run.id, run.error.code, run.error.message[:500])
-            self._nudge_if_queued(run.id)
         key = run.concurrency_key
         # An interrupted run goes first again once recover() requeues it. The next
         # run is scheduled first: a slow notifier holds back no run of the key.
         if key is not None and run.status not in (RunStatus.RUNNING, RunStatus.INTERRUPTED):
             self._schedule_next(key)
-        if run.status is RunStatus.WAITING:
-            self._approvals.paused(run)
+        if run.status in (RunStatus.WAITING, RunStatus.FAILED):
+            self._look_again(run.id)
 
-    def _nudge_if_queued(self, run_id: str) -> None:
-        """A retry that came while this engine still held the failed run's lease (a
-        listener's, at once) scheduled an execution that found the lease held and did
-        nothing: looked at again now, with the lease let go."""
+    def _look_again(self, run_id: str) -> None:
+        """After a run paused or failed and its lease is let go. An answer or a retry
+        (a listener's, or a quick person's) that came while this engine still held the
+        lease scheduled an execution that found the lease held and did nothing: a run
+        queued again is scheduled again. One still waiting has its wait announced."""
         try:
-            if self.store.get_run(run_id).status is RunStatus.QUEUED:
+            current = self.store.get_run(run_id)
+            if current.status is RunStatus.QUEUED:
                 self.scheduler.schedule(run_id)
+            elif current.status is RunStatus.WAITING:
+                self._approvals.notify(current)
         except Exception as exc:
             self.report(exc)
 

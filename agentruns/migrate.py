@@ -9,7 +9,14 @@ from alembic import command
 from alembic.config import Config
 
 from agentruns.errors import AgentrunsError
-from agentruns.migrations import HEAD, REVISIONS, current_revision
+from agentruns.migrations import (
+    HEAD,
+    LEGACY_VERSION_TABLE,
+    REVISIONS,
+    VERSION_TABLE,
+    current_revision,
+    legacy_revision,
+)
 from agentruns.store.connect import make_engine
 
 _SCRIPTS = str(Path(__file__).parent / "migrations")
@@ -53,6 +60,11 @@ def migrate(url: str, lock_timeout: float = LOCK_TIMEOUT_S) -> str | None:
                 )
             config = _config()
             config.attributes["connection"] = conn
+            legacy = legacy_revision(conn)
+            if legacy is not None and not sa.inspect(conn).has_table(VERSION_TABLE):
+                # Migrated by a release that recorded it in Alembic's default table:
+                # the revision moves to agentruns' own before anything else.
+                command.stamp(config, legacy)
             try:
                 command.upgrade(config, "head")
             except sa.exc.OperationalError as exc:
@@ -62,6 +74,14 @@ def migrate(url: str, lock_timeout: float = LOCK_TIMEOUT_S) -> str | None:
                     f"the migration waited {lock_timeout:g} s for a table lock that another "
                     "transaction holds (a long query?); it changed nothing: run it again"
                 ) from exc
-            return current_revision(conn)
+            revision = current_revision(conn)
+            if legacy not in (None, revision):
+                # Older workers still read it: an old one that restarts refuses a
+                # database a newer release migrated, as it always did.
+                conn.execute(
+                    sa.text(f"UPDATE {LEGACY_VERSION_TABLE} SET version_num = :revision"),
+                    {"revision": revision},
+                )
+            return revision
     finally:
         engine.dispose()

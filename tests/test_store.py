@@ -3,14 +3,9 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
 import re
-import subprocess
-import sys
 import threading
-import time
-import uuid
 import weakref
 from collections.abc import Callable
 from datetime import timedelta
@@ -19,31 +14,13 @@ import psycopg
 import pytest
 import sqlalchemy as sa
 
-from agentruns import Agent, Engine, LeaseLostError, RunStatus, SqlStore, TriggerEnvelope
-from agentruns.errors import AgentrunsError, NotMigratedError
-from agentruns.migrate import migrate
-from agentruns.migrations import HEAD, REVISIONS, current_revision
-from agentruns.models import ScriptedModel, text
+from agentruns import LeaseLostError, RunStatus, SqlStore, TriggerEnvelope
+from agentruns.errors import AgentrunsError
 from agentruns.runs import Run, utcnow
 from agentruns.settings import Settings
-from agentruns.store.base import Commit, Guard, NewRun, NewStep
-from tests.conftest import PG_ADMIN, database_away, drop_connections, free_port, wait_for
-
-
-def new_run(key: str | None = None, idem: str | None = None) -> NewRun:
-    return NewRun(
-        id=str(uuid.uuid4()),
-        agent="a",
-        trigger=TriggerEnvelope(source="manual", trigger="manual", payload={}),
-        idempotency_key=idem,
-        concurrency_key=key,
-        thread=None,
-        budget=None,
-    )
-
-
-def soon() -> object:
-    return utcnow() + timedelta(seconds=30)
+from agentruns.store.base import Commit, Guard, NewStep
+from tests.conftest import database_away, drop_connections, free_port, wait_for
+from tests.support.rows import new_run, soon
 
 
 def _running(store: SqlStore) -> tuple[Run, Guard]:
@@ -56,254 +33,6 @@ def _running(store: SqlStore) -> tuple[Run, Guard]:
 def _step(name: str = "t") -> NewStep:
     now = utcnow()
     return NewStep(kind="tool", name=name, started_at=now, finished_at=now)
-
-
-def upgrade_to(conn: sa.Connection, revision: str) -> None:
-    """The database brought to ``revision`` only, as an older release's migrate left it."""
-    from alembic import command
-
-    from agentruns.migrate import _config
-
-    config = _config()
-    config.attributes["connection"] = conn
-    command.upgrade(config, revision)
-
-
-def test_an_engine_refuses_an_unmigrated_database_naming_agentruns_migrate(
-    empty_pg: str, tmp_path: object
-) -> None:
-    agent = Agent("a", ScriptedModel([text("ok")]))
-    for url in (empty_pg, f"sqlite:///{tmp_path}/fresh.db"):
-        with pytest.raises(NotMigratedError, match="agentruns migrate"):
-            Engine(SqlStore(url), agents=[agent], secret="s")
-        store = SqlStore(url)
-        assert store.migrate() == migrate(url)  # idempotent
-        Engine(store, agents=[agent], secret="s").close()
-
-
-def test_an_engine_refused_by_the_schema_leaves_no_connection_open(
-    empty_pg: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # A worker on a database not migrated yet builds an engine for each message it
-    # gives back: each refused one left a connection open, and Postgres ran out of
-    # them (100 in about 30 s), `agentruns migrate` too.
-    from agentruns.wiring import engine_from_settings
-
-    monkeypatch.setenv("AGENTRUNS_DATABASE_URL", empty_pg)
-    monkeypatch.setenv("AGENTRUNS_AGENTS", "workers.triage")
-    for var in ("AGENTRUNS_REDIS_URL", "AGENTRUNS_BROKER_URL"):
-        monkeypatch.delenv(var, raising=False)
-    for _ in range(10):
-        with pytest.raises(NotMigratedError):
-            Engine(empty_pg, secret="s")
-        with pytest.raises(NotMigratedError):
-            engine_from_settings(Settings())
-    name = sa.make_url(empty_pg).database
-    with psycopg.connect(PG_ADMIN, autocommit=True) as admin:
-        count = admin.execute(
-            "SELECT count(*) FROM pg_stat_activity WHERE datname = %s", (name,)
-        ).fetchone()
-    assert count is not None and count[0] == 0
-
-
-def test_an_engine_on_a_database_a_newer_release_migrated_says_so(tmp_path: object) -> None:
-    # It said "not migrated (at 0003, need 0002): run `agentruns migrate`", which
-    # this release's migrate cannot do: it knows no way back from there.
-    url = f"sqlite:///{tmp_path}/newer.db"
-    migrate(url)
-    engine = sa.create_engine(url)
-    with engine.begin() as conn:
-        conn.execute(sa.text("UPDATE alembic_version SET version_num = '9999'"))
-    engine.dispose()
-    with pytest.raises(NotMigratedError, match="at schema 9999, newer than this release"):
-        SqlStore(url).check_schema()
-    # And `agentruns migrate` there (a deploy rolled back): it said "unexpected
-    # CommandError: Can't locate revision identified by '9999'".
-    with pytest.raises(AgentrunsError, match="at schema 9999, newer than this release"):
-        migrate(url)
-
-
-def test_the_revisions_an_engine_checks_for_are_alembics_own() -> None:
-    # An engine checks the revision without Alembic: a new migration must be
-    # named in REVISIONS too, or every engine would refuse the migrated database.
-    from alembic.script import ScriptDirectory
-
-    from agentruns.migrate import _config
-
-    history = ScriptDirectory.from_config(_config()).walk_revisions()
-    assert tuple(reversed([script.revision for script in history])) == REVISIONS
-
-
-def test_an_engine_starts_without_importing_alembic(pg_url: str) -> None:
-    # Importing it cost every worker process about 0.25 s, and logged nine INFO
-    # lines ("setup plugin alembic.autogenerate...", "Context impl ...").
-    code = (
-        "import sys\n"
-        "from agentruns import Engine, SqlStore\n"
-        "Engine(SqlStore(sys.argv[1]), agents=[], secret='s').close()\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'alembic'))\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, pg_url], capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "[]"
-
-
-def test_migrations_run_at_once_by_several_deploys_all_succeed(empty_pg: str) -> None:
-    # Each process upgrades from nothing at the same moment: without a lock, all
-    # but one failed creating the same tables (or adding the same columns).
-    code = "import sys; from agentruns.migrate import migrate; migrate(sys.argv[1])"
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", code, empty_pg],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        for _ in range(3)
-    ]
-    outputs = [(p.wait(timeout=60), p.stdout.read() if p.stdout else "") for p in procs]
-    assert [rc for rc, _ in outputs] == [0, 0, 0], outputs
-    assert migrate(empty_pg) == HEAD
-
-
-def test_the_migrations_build_the_schema_the_store_uses(empty_pg: str, tmp_path: object) -> None:
-    from alembic.autogenerate import compare_metadata
-    from alembic.runtime.migration import MigrationContext
-
-    from agentruns.store import schema
-
-    for url in (empty_pg, f"sqlite:///{tmp_path}/fresh.db"):
-        migrate(url)
-        engine = sa.create_engine(url)
-        with engine.connect() as conn:
-            diff = compare_metadata(MigrationContext.configure(conn), schema.metadata)
-        engine.dispose()
-        assert diff == [], url
-
-
-def test_a_migration_a_long_transaction_holds_up_gives_up_changing_nothing(
-    empty_pg: str,
-) -> None:
-    # It waited as long as the transaction lasted, and every write to the table
-    # queued behind it: a report query could stop a whole fleet.
-    engine = sa.create_engine(empty_pg)
-    with engine.begin() as conn:
-        upgrade_to(conn, "0001")
-    with engine.connect() as reader:
-        reader.execute(sa.text("SELECT count(*) FROM agentruns_runs"))  # holds its lock
-        started = time.monotonic()
-        with pytest.raises(AgentrunsError, match=r"waited 0\.5 s for a table lock"):
-            migrate(empty_pg, lock_timeout=0.5)
-        assert time.monotonic() - started < 5
-        reader.rollback()
-    with engine.connect() as conn:
-        assert current_revision(conn) == "0001"  # nothing changed
-    engine.dispose()
-    assert migrate(empty_pg) == HEAD
-
-
-def test_a_thread_stored_before_0002_is_continued_after_it(empty_pg: str, tmp_path: object) -> None:
-    # A thread's run stored by 0001's code holds its history as its own messages;
-    # after the migration, the thread's next run continues from them.
-    for url in (empty_pg, f"sqlite:///{tmp_path}/old.db"):
-        engine = sa.create_engine(url)
-        with engine.begin() as conn:
-            upgrade_to(conn, "0001")
-            conn.execute(
-                sa.text(
-                    "INSERT INTO agentruns_runs (id, agent, status, trigger, thread,"
-                    " concurrency_key, message_count, step_count, steps_used,"
-                    " checkpoint_step, checkpoint_messages, output, created_at, updated_at,"
-                    " finished_at) VALUES ('old', 'a', 'completed', '{}', 'chat', 'thread:chat',"
-                    " 2, 1, 1, 0, 2, 'hello', :now, :now, :now)"
-                ),
-                {"now": utcnow()},
-            )
-            key = conn.execute(sa.text("SELECT key FROM agentruns_runs")).scalar_one()
-            bodies = [
-                {"role": "user", "content": "hi"},
-                {"role": "assistant", "content": [{"type": "text", "text": "hello"}]},
-            ]
-            for seq, body in enumerate(bodies):
-                conn.execute(
-                    sa.insert(
-                        sa.table(
-                            "agentruns_messages",
-                            sa.column("run_key"),
-                            sa.column("seq"),
-                            sa.column("body", sa.JSON),
-                        )
-                    ),
-                    {"run_key": key, "seq": seq, "body": body},
-                )
-            # A run waiting then keeps its token id, which a resume's guard now reads.
-            conn.execute(
-                sa.text(
-                    "INSERT INTO agentruns_runs (id, agent, status, trigger, waiting,"
-                    " created_at, updated_at) VALUES ('waits', 'a', 'waiting', '{}',"
-                    " :waiting, :now, :now)"
-                ),
-                {"now": utcnow(), "waiting": json.dumps({"token_id": "t1", "input": "\x00"})},
-            )
-        engine.dispose()
-        migrate(url)
-        engine = sa.create_engine(url)
-        with engine.connect() as conn:
-            tokens = conn.execute(sa.text("SELECT id, waiting_token FROM agentruns_runs"))
-            assert dict(tokens.all()) == {"old": None, "waits": "t1"}
-        engine.dispose()
-        model = ScriptedModel(lambda messages: text(f"answer {len(messages)}"))
-        agentruns = Engine(SqlStore(url), agents=[Agent("a", model)], secret="s")
-        try:
-            run = agentruns.dispatch("a", {"source": "s", "trigger": "t"}, thread="chat")
-            assert agentruns.idle(10)
-            assert agentruns.get_run(run.id).output == "answer 3"
-            assert model.calls[0][:2] == bodies
-            checkpoint = agentruns.checkpoint(run.id)
-            assert checkpoint is not None and checkpoint.messages[:2] == bodies
-        finally:
-            agentruns.close()
-
-
-def test_migrations_after_the_first_add_no_column_a_running_release_would_not_expect(
-    empty_pg: str,
-) -> None:
-    # 0003 once added two columns: a worker of 0002 still running (a rolling deploy)
-    # had prepared its claim with RETURNING r.*, and every claim of it then failed
-    # ("cached plan must not change result type"), or committed and then failed to
-    # read its row, its run left running under it.
-    engine = sa.create_engine(empty_pg)
-    with engine.begin() as conn:
-        upgrade_to(conn, "0002")
-        before = [c["name"] for c in sa.inspect(conn).get_columns("agentruns_runs")]
-    engine.dispose()
-    migrate(empty_pg)
-    engine = sa.create_engine(empty_pg)
-    with engine.connect() as conn:
-        after = [c["name"] for c in sa.inspect(conn).get_columns("agentruns_runs")]
-    engine.dispose()
-    assert after == before
-
-
-def test_a_later_release_adding_a_column_leaves_this_releases_running_writes_working(
-    empty_pg: str,
-) -> None:
-    # This release's claim and create returned r.* and *: prepared before a later
-    # release's migration added a column (a rolling deploy), they failed ("cached
-    # plan must not change result type"), or returned a row of unknown shape.
-    migrate(empty_pg)
-    store = SqlStore(empty_pg)
-    first, _ = store.create_run(new_run())
-    assert store.claim(first.id, "me", soon()) is not None  # both prepared now
-    with psycopg.connect(empty_pg.replace("+psycopg", ""), autocommit=True) as conn:
-        conn.execute("ALTER TABLE agentruns_runs ADD COLUMN later_release_column integer")
-    second, created = store.create_run(new_run())
-    assert created and second.status is RunStatus.QUEUED
-    claimed = store.claim(second.id, "me", soon())
-    assert claimed is not None and claimed.run.status is RunStatus.RUNNING
-    store.close()
 
 
 def test_postgres_connections_give_up_on_a_server_gone_silent(db_url: str) -> None:
@@ -1128,7 +857,6 @@ def test_the_runs_of_a_status_are_read_through_its_index_in_a_generic_plan(
 def test_a_store_keeps_the_connections_it_opens_up_to_its_pool_size(
     db_url: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from agentruns.settings import Settings
     from agentruns.wiring import engine_from_settings
 
     # A burst opens connections once; none is closed after it (no overflow churn).

@@ -12,13 +12,34 @@ from sqlalchemy.engine import Connection
 # (a test holds this to Alembic's own history).
 REVISIONS: tuple[str, ...] = ("0001", "0002", "0003", "0004")
 HEAD = REVISIONS[-1]
-# Where Alembic records a database's revision (its default).
-VERSION_TABLE = "alembic_version"
+# Where agentruns records a database's revision: a table of its own, so that an
+# application's Alembic can share the database (each would take the other's
+# revision in Alembic's default table for an unknown one of its own).
+VERSION_TABLE = "agentruns_alembic_version"
+# Where agentruns recorded it before it had a table of its own. While that holds
+# one of agentruns' revisions, ``migrate`` keeps it in step, for older workers.
+LEGACY_VERSION_TABLE = "alembic_version"
+# A table every agentruns schema has: Alembic's default table holds agentruns'
+# revision only beside it (an application's revisions may be numbered alike).
+_RUNS = "agentruns_runs"
+
+
+def _version(conn: Connection, table: str) -> str | None:
+    version = sa.table(table, sa.column("version_num", sa.String))
+    return conn.execute(sa.select(version.c.version_num)).scalar()
+
+
+def legacy_revision(conn: Connection) -> str | None:
+    """The revision an earlier release recorded in Alembic's default table, if any."""
+    tables = sa.inspect(conn)
+    if not (tables.has_table(LEGACY_VERSION_TABLE) and tables.has_table(_RUNS)):
+        return None
+    legacy = _version(conn, LEGACY_VERSION_TABLE)
+    return legacy if legacy in REVISIONS else None
 
 
 def current_revision(conn: Connection) -> str | None:
     """The revision the database is at; ``None`` if it was never migrated."""
-    if not sa.inspect(conn).has_table(VERSION_TABLE):
-        return None
-    version = sa.table(VERSION_TABLE, sa.column("version_num", sa.String))
-    return conn.execute(sa.select(version.c.version_num)).scalar()
+    if sa.inspect(conn).has_table(VERSION_TABLE):
+        return _version(conn, VERSION_TABLE)
+    return legacy_revision(conn)

@@ -210,6 +210,18 @@ def unstreamed(then: Reply | None = None) -> RawReply:
     return RawReply("application/json", json.dumps(body).encode())
 
 
+def events(*sent: dict[str, Any] | str) -> RawReply:
+    """A stream of exactly these events (a dict is sent as its JSON, a string as is),
+    for events out of the API's order or shape."""
+    body = "".join(
+        f"event: {e['type']}\ndata: {json.dumps(e)}\n\n"
+        if isinstance(e, dict)
+        else f"event: message_start\ndata: {e}\n\n"
+        for e in sent
+    )
+    return RawReply("text/event-stream", body.encode())
+
+
 def error(
     status: int,
     type: str | None = None,

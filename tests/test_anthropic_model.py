@@ -25,6 +25,7 @@ from tests.fake_anthropic import (
     RawReply,
     dropped,
     error,
+    events,
     make_model,
     reply,
     slow,
@@ -489,6 +490,56 @@ def test_a_whole_answer_that_is_no_stream_fails_at_once(
     said = str(err.value)
     assert said.startswith("malformed model reply: the API answered with ")
     assert answer.content_type in said and "not an event stream" in said
+
+
+_START = {
+    "type": "message_start",
+    "message": {
+        "id": "msg_odd",
+        "type": "message",
+        "role": "assistant",
+        "model": "claude-test",
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": 5, "output_tokens": 1},
+    },
+}
+_END = [
+    {
+        "type": "message_delta",
+        "delta": {"stop_reason": "end_turn", "stop_sequence": None},
+        "usage": {"output_tokens": 3},
+    },
+    {"type": "message_stop"},
+]
+_DELTA = {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "x"}}
+
+
+@pytest.mark.parametrize(
+    ("answer", "said"),
+    [
+        (events(_START, *_END), "no list of content blocks: content=None"),
+        (events(_DELTA, *_END), "do not make a message (AssertionError)"),
+        (
+            events({**_START, "message": {**_START["message"], "content": []}}, _DELTA, *_END),
+            "do not make a message (IndexError: list index out of range)",
+        ),
+        (events("{not json"), "do not make a message (JSONDecodeError: Expecting property"),
+    ],
+    ids=["start-without-content", "delta-before-start", "delta-of-no-block", "not-json"],
+)
+def test_a_stream_whose_events_make_no_message_fails_at_once_as_malformed(
+    fake: FakeAnthropic, answer: RawReply, said: str
+) -> None:
+    # A message_start without content raised a bare TypeError out of complete()
+    # ("'NoneType' object is not iterable"); the others failed as "the Anthropic call
+    # failed: AssertionError: " and the like.
+    fake.push(answer, reply(text("never asked")))
+    with pytest.raises(ModelError) as err:
+        make_model(fake, max_retries=2).complete(request(), threading.Event())
+    assert len(fake.requests) == 1
+    assert str(err.value).startswith("malformed model reply: the "), err.value
+    assert said in str(err.value)
 
 
 def test_unreachable_server_fails_with_a_connection_message_after_retries() -> None:

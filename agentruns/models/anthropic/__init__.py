@@ -16,7 +16,13 @@ from anthropic.types import Message
 
 from agentruns.errors import stops_the_task
 from agentruns.models.anthropic import failures
-from agentruns.models.anthropic.stream import CUT_OFF, CutInput, NotAStream, stream_once
+from agentruns.models.anthropic.stream import (
+    CUT_OFF,
+    CutInput,
+    NotAMessage,
+    NotAStream,
+    stream_once,
+)
 from agentruns.models.base import ModelAborted, ModelError, ModelRequest, ModelResponse
 from agentruns.runs import Usage
 
@@ -206,7 +212,7 @@ class AnthropicModel:
             raise
         except CutInput as exc:
             raise ModelError(f"malformed model reply: {exc}", _usage(exc.message)) from exc
-        except NotAStream as exc:
+        except (NotAStream, NotAMessage) as exc:
             raise ModelError(f"malformed model reply: {exc}") from exc
         except Exception as exc:
             if stops_the_task(exc):  # a worker's time limit: not the API's error

@@ -32,6 +32,16 @@ class NotAStream(Exception):
     JSON, a proxy's page): a reply, not a dropped stream; asking again gets the same."""
 
 
+class NotAMessage(Exception):
+    """An event stream whose events make no Messages API message (no content list, a
+    delta before its block, an event that is no JSON): asking again gets the same."""
+
+
+# What the SDK's accumulation of events raises on events out of the API's order or
+# shape (it trusts them: an assert, an index, a missing list).
+_SHAPE_ERRORS = (AssertionError, AttributeError, IndexError, KeyError, TypeError, ValueError)
+
+
 class CutInput(Exception):
     """A complete reply whose tool call input is not whole JSON (the SDK reads a cut
     one leniently, so a call could run with part of its arguments)."""
@@ -79,11 +89,16 @@ class _Stream:
                             self.inputs.setdefault(event.index, []).append(event.delta.partial_json)
                     if not stopped:
                         raise IncompleteStream("the response stream ended before message_stop")
-                    self.message = stream.get_final_message()
+                    self.message = _whole(stream.get_final_message())
                     self._check_inputs(self.message)
                 except (anthropic.APIConnectionError, httpx2.TransportError) as exc:
                     # The API was reached and was answering: the stream broke off.
                     raise IncompleteStream(str(exc) or type(exc).__name__) from exc
+                except _SHAPE_ERRORS as exc:
+                    said = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                    raise NotAMessage(
+                        f"the response stream's events do not make a message ({said})"
+                    ) from exc
                 finally:
                     with self._lock:
                         self._response = None
@@ -110,6 +125,16 @@ class _Stream:
             self._aborted = True
             if self._response is not None:
                 _interrupt(self._response)
+
+
+def _whole(message: Message) -> Message:
+    """``message`` if it has what a reply needs; the SDK builds it unchecked."""
+    blocks = message.content
+    if not isinstance(blocks, list) or not all(isinstance(b.type, str) for b in blocks):
+        raise NotAMessage(f"the message has no list of content blocks: content={blocks!r}")
+    if not isinstance(getattr(message.usage, "input_tokens", None), int):
+        raise NotAMessage(f"the message has no token usage: usage={message.usage!r}")
+    return message
 
 
 def stream_once(

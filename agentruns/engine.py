@@ -525,17 +525,22 @@ class Engine:
                 self._schedule_next(run.concurrency_key)
             return run
 
-    def retry(self, run_id: str) -> Run:
+    def retry(self, run_id: str, *, budget: Budget | dict[str, Any] | None = None) -> Run:
         """Queue a failed run again, to go on from its latest checkpoint: its saved model
         responses and tool results are kept and not repeated, and effect tools return
-        their recorded results. A run queued already (retried by another caller, or by
-        this call's first try, whose reply was lost) is scheduled again: a nudge, which
-        its claim decides. Raises ``NotRetryableError`` for a run in any other status,
-        or if a later run of its thread has started."""
+        their recorded results. ``budget`` replaces the limits it names in the budget the
+        run had (a run failed on its budget fails on it again unless it grows). A run
+        queued already (retried by another caller, or by this call's first try, whose
+        reply was lost) is scheduled again, its budget as it is: a nudge, which its
+        claim decides. Raises ``NotRetryableError`` for a run in any other status, or if
+        a later run of its thread has started."""
         run_id = intake.run_id(run_id)
         with self._calling():
+            raised = None
+            if budget is not None:
+                raised = intake.retried_budget(self._agents, self.store.get_run(run_id), budget)
             with self.events.writing(run_id):
-                run, retried = self.store.retry(run_id)
+                run, retried = self.store.retry(run_id, raised)
                 if retried:
                     self.events.run_updated(run)
             if not retried and run.status is not RunStatus.QUEUED:

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:
+    from pydantic import ValidationError
 
 TokenProblem = Literal["malformed", "bad_signature", "expired", "stale"]
 
@@ -28,6 +31,14 @@ def first_line(exc: BaseException, *, typed: bool = True) -> str:
     lines = [line.strip() for line in exception_text(exc, typed=typed).splitlines()]
     said = next((line for line in lines if line), "")
     return (said or type(exc).__name__)[:500]
+
+
+def problems(exc: ValidationError, whole: str) -> str:
+    """pydantic's errors in one line: each field's message, ``whole`` naming the value
+    itself (pydantic's own text runs over several lines, with a link each)."""
+    return "; ".join(
+        f"{'.'.join(str(p) for p in e['loc']) or whole}: {e['msg']}" for e in exc.errors()
+    )
 
 
 def stops_the_task(exc: BaseException) -> bool:

@@ -11,7 +11,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from agentruns.agent import Agent
-from agentruns.errors import InvalidTriggerError, RunNotFoundError, UnknownAgentError
+from agentruns.errors import InvalidTriggerError, RunNotFoundError, UnknownAgentError, problems
 from agentruns.runs import Budget, Run, TriggerEnvelope, is_storable_key, is_utf8
 from agentruns.store.base import NewRun
 from agentruns.store.schema import KEY_LENGTH, THREAD_KEY
@@ -54,13 +54,29 @@ def new_run(
 
 def _limits(agent: Budget, budget: Budget | dict[str, Any] | None) -> Budget | None:
     """A run's own budget: the agent's, with the limits a dispatch names replaced."""
-    if budget is None:
-        return None
+    return None if budget is None else _replaced(agent, budget)
+
+
+def retried_budget(
+    agents: Mapping[str, Agent], run: Run, budget: Budget | dict[str, Any]
+) -> Budget:
+    """The budget a retry gives ``run``: the one it ran with (its own, else its agent's),
+    with the limits ``budget`` names replaced."""
+    base = run.budget
+    if base is None:
+        found = agents.get(run.agent)
+        if found is None:  # its budget is the agent's, which this engine does not know
+            raise UnknownAgentError(run.agent)
+        base = found.budget
+    return _replaced(base, budget)
+
+
+def _replaced(base: Budget, budget: Budget | dict[str, Any]) -> Budget:
     try:
         given = Budget.model_validate(budget)
     except ValidationError as exc:
-        raise InvalidTriggerError(f"invalid budget: {exc}") from None
-    return agent.model_copy(update=given.model_dump(exclude_unset=True))
+        raise InvalidTriggerError(f"invalid budget: {problems(exc, 'budget')}") from None
+    return base.model_copy(update=given.model_dump(exclude_unset=True))
 
 
 def _keys(
@@ -118,10 +134,7 @@ def _envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelope:
     try:
         return TriggerEnvelope.model_validate(trigger)
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'trigger'}: {e['msg']}" for e in exc.errors()
-        )
-        raise InvalidTriggerError(f"invalid trigger: {problems}") from None
+        raise InvalidTriggerError(f"invalid trigger: {problems(exc, 'trigger')}") from None
 
 
 def warn_if_another(run: Run, new: NewRun) -> None:

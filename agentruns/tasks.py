@@ -387,10 +387,11 @@ def cancel(self: Any, run_id: str) -> dict[str, Any]:
 
 
 @_task("agentruns.retry")
-def retry(self: Any, run_id: str) -> dict[str, Any]:
-    """Queue a failed run again, to go on from its latest checkpoint (``Engine.retry``)."""
+def retry(self: Any, run_id: str, budget: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Queue a failed run again, to go on from its latest checkpoint, ``budget``'s limits
+    replacing its own (``Engine.retry``)."""
     with _retrying_outages(self):
-        run = get_engine().retry(run_id)
+        run = get_engine().retry(run_id, budget=budget)
     return _summary(run)
 
 

@@ -25,6 +25,7 @@ from typing import (
 from pydantic import BaseModel, ConfigDict, ValidationError, create_model
 from pydantic_core import to_jsonable_python
 
+from agentruns.errors import problems
 from agentruns.models.base import ToolSpec
 from agentruns.runs import Run
 
@@ -129,10 +130,8 @@ class Tool:
         try:
             parsed = self.input_model.model_validate(arguments)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc']) or 'input'}: {e['msg']}" for e in exc.errors()
-            )
-            raise ToolInputError(f"invalid arguments for {self.name}: {problems}") from None
+            said = problems(exc, "input")
+            raise ToolInputError(f"invalid arguments for {self.name}: {said}") from None
         names = parsed.model_fields_set if self.partial else type(parsed).model_fields
         return {name: getattr(parsed, name) for name in names}
 

@@ -582,9 +582,10 @@ def test_a_retry_task_takes_a_failed_run_on_in_a_worker(cluster: Cluster, engine
     error = RunError(code="model_error", message="overloaded")
     failing = Commit(status=RunStatus.FAILED, error=error, release_claim=True)
     engine.store.commit(claimed.run, Guard(status=RunStatus.RUNNING, epoch=claimed.epoch), failing)
-    retry.delay(run.id)
+    retry.delay(run.id, budget={"max_steps": 7})
     wait_for(lambda: engine.get_run(run.id).status is not RunStatus.FAILED, "the retry")
     done = wait_for(partial(completed, engine, run.id), "the run to complete")
+    assert done.budget is not None and done.budget.max_steps == 7
     assert_replayed_once(engine, done, QUICK_SCRIPT)
     retry.delay(run.id)  # completed now: refused once, not retried
     wait_for(lambda: "raised expected: NotRetryableError" in worker.output(), "the refusal")

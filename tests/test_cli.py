@@ -858,6 +858,34 @@ def test_retry_goes_on_with_a_failed_run_and_refuses_any_other(cli: Cli) -> None
     assert "no run with id" in cli.fails(2, "retry", "no-such-run")
 
 
+def test_dispatch_and_retry_take_a_budget(cli: Cli) -> None:
+    code, out, _ = cli(
+        "--json",
+        "dispatch",
+        "triage",
+        "--payload",
+        json.dumps(REPORT),
+        "--budget",
+        '{"max_steps": 1}',
+    )
+    run = json.loads(out)["run"]
+    assert code == 0 and run["status"] == "failed"  # one step of the scripted triage's two
+    assert run["error"]["code"] == "step_budget_exceeded"
+    assert run["budget"] == {"max_steps": 1, "max_tokens": 200_000, "timeout_s": 300.0}
+    for bad, said in (
+        ("[1]", "--budget takes a JSON object of limits, not [1]"),
+        ("{", "--budget is not JSON: "),
+        ('{"max_steps": 0}', "invalid budget: "),
+    ):
+        assert said in cli.fails(2, "retry", run["id"], "--budget", bad)
+    code, out, _ = cli("show", run["id"])
+    assert f"""retry: agentruns retry {run["id"]} --budget '{{"max_steps": 2}}'""" in out
+    code, out, _ = cli("--json", "retry", run["id"], "--budget", '{"max_steps": 5}')
+    retried = json.loads(out)["run"]
+    assert code == 0 and retried["status"] == "waiting"  # on to the approval its second step asks
+    assert retried["budget"] == {"max_steps": 5, "max_tokens": 200_000, "timeout_s": 300.0}
+
+
 def test_show_counts_the_tokens_read_from_and_written_to_the_cache(cli: Cli) -> None:
     # `show` gave "20 in / 10 out" for a run that had used 1,030 tokens (cache reads
     # are most of a real run's input), beside its token budget's "used 1030".

@@ -9,8 +9,17 @@ from typing import Any
 
 import pytest
 
-from agentruns import Agent, Engine, FatalToolError, Run, RunNotFoundError, RunStatus, tool
-from agentruns.errors import NotRetryableError
+from agentruns import (
+    Agent,
+    Budget,
+    Engine,
+    FatalToolError,
+    Run,
+    RunNotFoundError,
+    RunStatus,
+    tool,
+)
+from agentruns.errors import InvalidTriggerError, NotRetryableError, UnknownAgentError
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.models.base import ModelError, ModelRequest, ModelResponse
 from agentruns.schedulers import ManualScheduler
@@ -330,3 +339,73 @@ def test_a_refusal_pickles_whole() -> None:
     refused = pickle.loads(pickle.dumps(NotRetryableError("r1", "run r1 is completed")))
     assert type(refused) is NotRetryableError
     assert (refused.run_id, str(refused)) == ("r1", "run r1 is completed")
+
+
+def _looping(steps: int) -> ScriptedModel:
+    """A model that calls ``look`` at each of ``steps`` steps, then answers."""
+    return ScriptedModel(
+        [*(tool_use("look", {"what": f"w{i}"}) for i in range(steps)), text("done")]
+    )
+
+
+def test_a_run_failed_on_its_own_budget_goes_on_when_a_retry_raises_it(
+    make_any_engine: EngineFactory,
+) -> None:
+    # A run dispatched with a budget of its own that failed on it could not be taken
+    # on: a retry failed it again at once, and no API raised a stored budget.
+    calls: list[str] = []
+    look, _ = _made(calls)
+    engine = make_any_engine([Agent("a", _looping(3), tools=[look])], scheduler=ManualScheduler())
+    run = engine.dispatch(
+        "a", trigger({}), schedule=False, budget={"max_steps": 2, "timeout_s": 60}
+    )
+    failed = engine.execute(run.id)
+    assert failed.error is not None and failed.error.code == "step_budget_exceeded"
+    engine.retry(run.id)
+    again = engine.execute(run.id)
+    assert again.error is not None and again.error.code == "step_budget_exceeded"  # as it was
+
+    retried = engine.retry(run.id, budget={"max_steps": 4})
+    assert retried.budget == Budget(max_steps=4, timeout_s=60)  # the limits it names replaced
+    done = engine.execute(run.id)
+    assert done.status is RunStatus.COMPLETED and done.output == "done"
+    assert calls == ["look:w0", "look:w1", "look:w2"]  # none made twice
+    assert done.steps_used == 4
+
+
+def test_a_retrys_budget_replaces_limits_of_the_agents_budget_for_a_run_without_its_own(
+    make_any_engine: EngineFactory,
+) -> None:
+    calls: list[str] = []
+    look, _ = _made(calls)
+    agent = Agent("a", _looping(2), tools=[look], budget=Budget(max_steps=1, max_tokens=10_000))
+    engine = make_any_engine([agent], scheduler=ManualScheduler())
+    run = engine.dispatch("a", trigger({}), schedule=False)
+    assert engine.execute(run.id).status is RunStatus.FAILED
+    retried = engine.retry(run.id, budget=Budget(max_steps=3))
+    assert retried.budget == Budget(max_steps=3, max_tokens=10_000)
+    assert engine.execute(run.id).status is RunStatus.COMPLETED
+
+
+def test_a_retry_with_a_budget_refused_changes_nothing(make_any_engine: EngineFactory) -> None:
+    calls: list[str] = []
+    look, _ = _made(calls)
+    engine = make_any_engine(
+        [Agent("a", _looping(2), tools=[look], budget=Budget(max_steps=1))],
+        scheduler=ManualScheduler(),
+    )
+    run = engine.dispatch("a", trigger({}), schedule=False)
+    failed = engine.execute(run.id)
+    for bad in ({"max_steps": 0}, {"max_steps": "many"}, {"timeout_s": float("inf")}):
+        with pytest.raises(InvalidTriggerError, match="invalid budget"):
+            engine.retry(run.id, budget=bad)
+    assert engine.get_run(run.id) == failed
+    assert engine.scheduler.scheduled == []  # type: ignore[attr-defined]
+    # A run queued already is sent again, its budget as it was.
+    engine.retry(run.id)
+    assert engine.retry(run.id, budget={"max_steps": 9}).budget is None
+    assert engine.get_run(run.id).budget is None
+    # An engine that does not know the run's agent cannot tell what to raise.
+    stranger = make_any_engine([], scheduler=ManualScheduler())
+    with pytest.raises(UnknownAgentError):
+        stranger.retry(run.id, budget={"max_steps": 9})

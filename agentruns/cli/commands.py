@@ -56,7 +56,12 @@ def cmd_dispatch(session: Session, args: argparse.Namespace) -> int:
         "run.updated",
         lambda e: stored.add(e.run.id) if e.run and e.run.status is RunStatus.QUEUED else None,
     )
-    run = engine.dispatch(args.agent, trigger, idempotency_key=args.idempotency_key)
+    run = engine.dispatch(
+        args.agent,
+        trigger,
+        idempotency_key=args.idempotency_key,
+        budget=_budget(args.budget),
+    )
     stop()
     if run.id not in stored:
         session.say(f"already dispatched with this idempotency key: run {run.id}")
@@ -141,10 +146,11 @@ def cmd_retry(session: Session, args: argparse.Namespace) -> int:
     engine = session.engine()
     before = engine.get_run(args.run)
     session.follow()
-    run = engine.retry(args.run)
+    run = engine.retry(args.run, budget=_budget(args.budget))
     session.raise_reported()
     if before.status is RunStatus.QUEUED:
-        session.say(f"run {run.id} is queued already: sent to the workers again")
+        kept = " (its budget as it was)" if args.budget is not None else ""
+        session.say(f"run {run.id} is queued already: sent to the workers again{kept}")
     else:
         session.say(f"retrying run {run.id} ({run.agent}) from its latest checkpoint")
     session.settle()
@@ -212,13 +218,20 @@ def cmd_watch(session: Session, args: argparse.Namespace) -> int:
 # -- helpers ---------------------------------------------------------------------
 
 
-def _payload(raw: str | None) -> Any:
+def _payload(raw: str | None, option: str = "--payload") -> Any:
     if raw is None:
         return None
     try:
         return json.loads(raw)
     except (ValueError, RecursionError) as exc:
-        raise CliError(f"--payload is not JSON: {exc}", BAD_INPUT) from None
+        raise CliError(f"{option} is not JSON: {exc}", BAD_INPUT) from None
+
+
+def _budget(raw: str | None) -> dict[str, Any] | None:
+    budget = _payload(raw, "--budget")
+    if budget is not None and not isinstance(budget, dict):
+        raise CliError(f"--budget takes a JSON object of limits, not {raw}", BAD_INPUT)
+    return budget
 
 
 def _keys(pairs: list[str]) -> dict[str, str]:

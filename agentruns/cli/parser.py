@@ -11,6 +11,10 @@ from agentruns.cli import commands
 from agentruns.intake import MAX_LIMIT
 from agentruns.runs import RunStatus
 
+_BUDGET_HELP = (
+    'limits to replace, as JSON: {"max_steps": 40, "max_tokens": 500000, "timeout_s": 600}'
+)
+
 
 class Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr and exit 2."""
@@ -71,6 +75,7 @@ def build() -> Parser:
     )
     p.add_argument("--thread", help="continue the conversation of this thread")
     p.add_argument("--idempotency-key", help="the same key returns the same run")
+    p.add_argument("--budget", metavar="JSON", help=_BUDGET_HELP + " (default: the agent's)")
 
     p = command("runs", "list runs, newest first", commands.cmd_runs)
     p.add_argument("--status", choices=[s.value for s in RunStatus])
@@ -96,6 +101,7 @@ def build() -> Parser:
 
     p = command("retry", "queue a failed run again, from its latest checkpoint", commands.cmd_retry)
     p.add_argument("run", metavar="RUN")
+    p.add_argument("--budget", metavar="JSON", help=_BUDGET_HELP + " (default: the run's)")
 
     command("recover", "requeue interrupted, crashed and lost runs", commands.cmd_recover)
     command("tick", "expire old approvals, re-send notifications", commands.cmd_tick)

@@ -188,8 +188,23 @@ def header(run: Run, losses: int = 0, held_until: datetime | None = None) -> str
     if run.error is not None:
         lines.append(f"error     {run.error.code}: {run.error.message}")
     if run.status is RunStatus.FAILED:
-        lines.append(f"          retry: agentruns retry {run.id}  (from its latest checkpoint)")
+        lines.append(
+            f"          retry: agentruns retry {run.id}{_raised(run)}  (from its latest checkpoint)"
+        )
     return "\n".join(plain(line) for line in lines)
+
+
+def _raised(run: Run) -> str:
+    """The ``--budget`` a retry of a run failed on its budget needs to go on."""
+    budget = run.budget
+    code = run.error.code if run.error is not None else None
+    if code == "step_budget_exceeded":
+        steps = budget.max_steps if budget is not None else run.steps_used
+        return f" --budget '{{\"max_steps\": {2 * steps}}}'"
+    if code == "token_budget_exceeded":
+        tokens = budget.max_tokens if budget is not None else None
+        return f" --budget '{{\"max_tokens\": {2 * (tokens or run.usage.total_tokens)}}}'"
+    return ""
 
 
 def timeline(run: Run, steps: Sequence[Step]) -> str:

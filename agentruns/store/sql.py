@@ -25,6 +25,7 @@ from agentruns.errors import (
 )
 from agentruns.migrations import HEAD, REVISIONS, current_revision
 from agentruns.runs import (
+    Budget,
     Checkpoint,
     Run,
     RunStatus,
@@ -476,11 +477,11 @@ class SqlStore:
             )
             return run_from_row(row if row is not None else self._require(conn, run_id))
 
-    def retry(self, run_id: str) -> tuple[Run, bool]:
+    def retry(self, run_id: str, budget: Budget | None = None) -> tuple[Run, bool]:
         """Queue a failed run again, as it stands (its checkpoint, steps, pending answers,
-        effect records and usage kept): the run, and whether this retried it (False: it
-        is not failed, or a later run of its thread has started: it went on from the
-        thread's runs before this one).
+        effect records and usage kept; its budget replaced by ``budget`` if given): the
+        run, and whether this retried it (False: it is not failed, or a later run of its
+        thread has started: it went on from the thread's runs before this one).
 
         One statement decides: two retries queue the run once."""
         went_on = sa.exists(_started_after(R).with_only_columns(sa.literal(1)))
@@ -502,6 +503,7 @@ class SqlStore:
                         claim_expires_at=None,
                         updated_at=utcnow(),
                         finished_at=None,
+                        **({} if budget is None else {"budget": budget.model_dump(mode="json")}),
                     )
                     .returning(*R.c)
                 )

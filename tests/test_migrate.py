@@ -43,6 +43,16 @@ def upgrade_to(conn: sa.Connection, revision: str) -> None:
     command.upgrade(config, revision)
 
 
+def left_by_an_earlier_release(url: str, revision: str) -> None:
+    """The database at ``url`` brought to ``revision`` by an earlier release's migrate."""
+    engine = sa.create_engine(url)
+    try:
+        with engine.begin() as conn:
+            upgrade_to(conn, revision)
+    finally:
+        engine.dispose()
+
+
 def test_an_engine_refuses_an_unmigrated_database_naming_agentruns_migrate(
     empty_pg: str, tmp_path: object
 ) -> None:
@@ -360,10 +370,7 @@ def test_a_database_an_earlier_release_migrated_keeps_working_and_moves_its_revi
     # Earlier releases recorded agentruns' revision in Alembic's default table.
     agent = Agent("a", ScriptedModel([text("ok")]))
     for url in (empty_pg, f"sqlite:///{tmp_path}/earlier.db"):
-        engine = sa.create_engine(url)
-        with engine.begin() as conn:
-            upgrade_to(conn, HEAD)
-        engine.dispose()
+        left_by_an_earlier_release(url, HEAD)
         # The package upgraded with no new migration: engines start as they did.
         Engine(url, agents=[agent], secret="s").close()
         assert migrate(url) == HEAD
@@ -377,10 +384,7 @@ def test_migrating_from_an_earlier_releases_revision_keeps_its_record_in_step(
     # An older worker that restarts reads Alembic's default table: it must find the
     # revision the migration brought (and refuse it, as a newer one), not the one
     # it had, on which it would run against a schema it does not know.
-    engine = sa.create_engine(empty_pg)
-    with engine.begin() as conn:
-        upgrade_to(conn, REVISIONS[-2])
-    engine.dispose()
+    left_by_an_earlier_release(empty_pg, REVISIONS[-2])
     store = SqlStore(empty_pg)
     with pytest.raises(NotMigratedError, match=f"at {REVISIONS[-2]}, need {HEAD}"):
         store.check_schema()

@@ -65,6 +65,21 @@ def test_an_engine_refuses_an_unmigrated_database_naming_agentruns_migrate(
         Engine(store, agents=[agent], secret="s").close()
 
 
+def test_an_engine_on_a_sqlite_file_that_does_not_exist_leaves_none_behind(
+    tmp_path: Path,
+) -> None:
+    # Engine("sqlite:///typo.db") created an empty typo.db before refusing it, and
+    # `agentruns migrate` would then take it for the database meant.
+    path = tmp_path / "typo.db"
+    with pytest.raises(NotMigratedError, match="does not exist: run `agentruns migrate`"):
+        Engine(f"sqlite:///{path}", secret="s")
+    assert not path.exists()
+    memory = SqlStore("sqlite://")  # no file to look for: SQLite's own
+    with pytest.raises(NotMigratedError, match="not migrated"):
+        memory.check_schema()
+    memory.close()
+
+
 def test_an_engine_refused_by_the_schema_leaves_no_connection_open(
     empty_pg: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -5,11 +5,9 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from pathlib import Path
 from typing import Any, TextIO
 
 import redis
-from sqlalchemy.engine import make_url
 
 from agentruns.agent import Agent
 from agentruns.cli import render
@@ -20,7 +18,7 @@ from agentruns.events import Event
 from agentruns.leases import LocalLeases
 from agentruns.schedulers import LocalScheduler
 from agentruns.settings import Settings, is_redis_url
-from agentruns.store.connect import shown_url
+from agentruns.store.connect import missing_sqlite_file, shown_url
 from agentruns.wiring import engine_from_settings, load_agents
 
 
@@ -101,10 +99,7 @@ class Session:
 
     def _check_sqlite_file(self) -> None:
         # Opening a missing SQLite file would create an empty one; say what to do instead.
-        url = make_url(self.settings.database_url)
-        path = url.database
-        missing = path and path != ":memory:" and not Path(path).exists()
-        if url.get_backend_name() == "sqlite" and missing:
+        if missing_sqlite_file(self.settings.database_url) is not None:
             raise CliError(
                 f"the database {self.settings.database_url} does not exist: "
                 "run `agentruns migrate` to create it (or set AGENTRUNS_DATABASE_URL)"

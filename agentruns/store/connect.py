@@ -62,6 +62,18 @@ os.register_at_fork(after_in_child=_forget_parents_connections)
 _SECRET_PARAMETERS = ("password", "secret", "token")
 
 
+def missing_sqlite_file(url: str | sa.URL) -> str | None:
+    """The file a SQLite URL names, if it does not exist (opening it would create it,
+    empty); None for any other URL."""
+    parsed = sa.make_url(url)
+    path = parsed.database
+    if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:":
+        return None
+    if parsed.query.get("uri"):  # file:…?mode=memory and the like: SQLite's to read
+        return None
+    return None if os.path.exists(path) else path
+
+
 def shown_url(url: str | sa.URL) -> str:
     """A database or Redis URL as it may be shown: without the password of its user,
     nor any query parameter that holds one."""

@@ -46,7 +46,7 @@ from agentruns.store.base import (
     WaitRef,
     Writes,
 )
-from agentruns.store.connect import READ_ONLY, make_engine, shown_url
+from agentruns.store.connect import READ_ONLY, make_engine, missing_sqlite_file, shown_url
 from agentruns.store.effects import Effects
 from agentruns.store.postgres import Statements
 from agentruns.store.queries import claimable, in_line, in_turn, insert, literal, status_of_one
@@ -152,6 +152,11 @@ class SqlStore:
         """Refuse to work on a database that ``agentruns migrate`` has not brought up to date."""
         if self._checked:
             return
+        if missing_sqlite_file(self.engine.url) is not None:  # not to create it, empty
+            raise NotMigratedError(
+                f"the database {self._safe_url()} does not exist: run `agentruns migrate`"
+                " to create it"
+            )
         try:
             with self._reads.connect() as conn:
                 current = current_revision(conn)

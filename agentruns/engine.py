@@ -361,6 +361,7 @@ class Engine:
         by ``time.monotonic``); then let both go."""
         run = claimed.run
         run_id = run.id
+        dying = False
         try:
             agent = self._agents.get(run.agent)
             if agent is None:
@@ -389,8 +390,15 @@ class Engine:
                 error = RunError(code="internal_error", message=exception_text(exc))
                 with contextlib.suppress(Exception):
                     run = self._fail(run, claimed.epoch, error)
+        except BaseException:
+            # The process stops under the execution (a prefork child's SIGTERM, as a
+            # hard time limit sends it before SIGKILL; a cold shutdown): as a crash,
+            # the loss of the run's step counts, and a step that kills its process
+            # again and again is held back longer each time.
+            dying = True
+            raise
         finally:
-            if run.status is RunStatus.RUNNING:  # left to recover(), by a live process
+            if run.status is RunStatus.RUNNING and not dying:  # let go by a live process
                 self._give_up(run_id, claimed.epoch)
             self._release_lease(run_id)
         return run

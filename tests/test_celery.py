@@ -336,11 +336,14 @@ def test_a_tool_that_exits_is_the_tools_error_in_any_pool(
 
 
 def test_a_prefork_process_terminated_in_a_tool_leaves_its_run_to_recover(
-    cluster: Cluster, engine: Engine
+    cluster: Cluster, engine: Engine, caplog: pytest.LogCaptureFixture
 ) -> None:
     """billiard's SIGTERM handler exits the process (a cold shutdown terminates the
-    pool's processes so): the SystemExit it raises inside a tool stops the run, as
-    a crash would, and is not the tool's error for the model to go on from."""
+    pool's processes so, and a hard time limit before its SIGKILL): the SystemExit it
+    raises inside a tool stops the run, as a crash would, and is not the tool's error
+    for the model to go on from. Nor is it a live process letting the run go: a step
+    past the hard time limit was requeued at once, each time, never held back, its
+    effect called again on every lap."""
     cluster.workers("w1", pool="prefork", concurrency=1)
     run = engine.dispatch("waiter", trigger({}))
     (pid,) = wait_for(lambda: cluster.tool_calls("wait_a_while", run.id), "the tool to start")
@@ -355,9 +358,11 @@ def test_a_prefork_process_terminated_in_a_tool_leaves_its_run_to_recover(
         engine.recover()
         return completed(engine, run.id)
 
-    done = wait_for(resumed, "recover to finish the run", 30)
+    with caplog.at_level("INFO", logger="agentruns"):
+        done = wait_for(resumed, "recover to finish the run", 30)
     (step,) = [s for s in engine.steps(done.id) if s.kind == "tool"]
     assert step.error is None and step.output == "waited", step
+    assert f"run {run.id} requeued: its execution was lost with its worker" in caplog.text
 
 
 def _alive(pid: int) -> bool:

@@ -138,7 +138,10 @@ def cmd_cancel(session: Session, args: argparse.Namespace) -> int:
             " outage); it settles cancelled when recover() takes it, once its claim expires"
         )
     elif run.status is RunStatus.RUNNING:
-        session.say("cancel requested: the execution holding it stops within about a second")
+        session.say(
+            "cancel requested: the execution holding it stops within about a second"
+            " (a tool call in progress first returns: its ctx.signal is set)"
+        )
     return 0
 
 

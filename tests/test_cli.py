@@ -11,6 +11,7 @@ import io
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from typing import Any
 
 import psycopg
 import pytest
+import sqlalchemy as sa
 from pydantic import ValidationError
 
 from agentruns import (
@@ -35,6 +37,7 @@ from agentruns import (
     tool,
 )
 from agentruns.cli import main, render
+from agentruns.cli.errors import database_failure
 from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.models.base import ModelError
@@ -279,6 +282,35 @@ def test_cancel_cancels_a_waiting_run_and_leaves_a_final_one(cli: Cli) -> None:
     # Unchanged, and said so: "run … cancelled" alone read as if this cancel had acted.
     assert code == 0 and "it was already cancelled: a final run stays as it is" in out
     assert "stale" in cli.fails(2, "approve", token)
+
+
+def test_cancel_lets_the_next_run_of_its_thread_go_on_here(cli: Cli) -> None:
+    # The cancel freed the thread, and the thread's next run started in the CLI's own
+    # process, which then exited under it: the run was left interrupted, 0 steps, for
+    # a recover that a CLI-only deployment never runs.
+    first = cli.json("dispatch", "triage", "--payload", json.dumps(REPORT), "--thread", "T1")
+    assert first["run"]["status"] == "waiting"
+    queued = cli.json("dispatch", "triage", "--payload", json.dumps(REPORT), "--thread", "T1")
+    assert queued["run"]["status"] == "queued"  # behind the first, which holds the thread
+    code, out, _ = cli("cancel", first["run"]["id"])
+    assert code == 0 and f"run {first['run']['id']} cancelled" in out
+    nxt = queued["run"]["id"]
+    assert f"run {nxt} running" in out and f"run {nxt} waiting on approval" in out
+    assert cli.json("show", nxt)["run"]["status"] == "waiting"
+
+
+def test_cancel_of_a_run_another_process_holds_says_it_may_have_died(cli: Cli) -> None:
+    # Its process killed: "stops within about a second" (local leases cannot tell),
+    # though it settles only once its claim expires and recover takes it.
+    engine = cli.engine()
+    run = engine.dispatch(
+        "triage", {"source": "t", "trigger": "t", "payload": REPORT}, schedule=False
+    )
+    assert engine.store.claim(run.id, "elsewhere:1", utcnow() + timedelta(seconds=30))
+    engine.close()
+    code, out, _ = cli("cancel", run.id)
+    assert code == 0 and "stops within about a second" in out
+    assert "if the process running it died, it settles cancelled when `agentruns recover`" in out
 
 
 def test_show_and_cancel_say_when_no_worker_holds_a_running_run(
@@ -582,6 +614,49 @@ def test_a_database_file_that_is_not_there_says_to_migrate(
     line = Cli(capsys, env).fails(1, "runs")
     assert "does not exist: run `agentruns migrate`" in line
     assert not Path(env.removeprefix("sqlite:///")).exists()
+
+
+@pytest.mark.parametrize("url", ["sqlite://", "sqlite:///:memory:", "sqlite:///"])
+def test_an_in_memory_sqlite_database_is_refused_for_a_file(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, env: str, url: str
+) -> None:
+    # `migrate` said "migrated" and exited 0, and every other command then said the
+    # database was not migrated: run migrate, which had just been run.
+    monkeypatch.setenv("AGENTRUNS_DATABASE_URL", url)
+    cli = Cli(capsys, env)
+    for argv in (["migrate"], ["runs"]):
+        line = cli.fails(1, *argv)
+        assert f"{url} is an in-memory database, gone when this command ends" in line
+
+
+def test_a_sqlite_file_that_cannot_be_opened_says_why(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, env: str, tmp_path: Path
+) -> None:
+    # Each said "a new database needs `agentruns migrate`" to `agentruns migrate`.
+    cli = Cli(capsys, env)
+    for url, said in (
+        (
+            f"sqlite:///{tmp_path}/nowhere/runs.db",
+            f"the directory {tmp_path}/nowhere does not exist",
+        ),
+        (f"sqlite:///{tmp_path}", f"{tmp_path} is a directory: name a file in it"),
+        (
+            f"sqlite+aiosqlite:///{tmp_path}/a.db",
+            "or SQLite (sqlite:///...), not sqlite+aiosqlite://",
+        ),
+    ):
+        monkeypatch.setenv("AGENTRUNS_DATABASE_URL", url)
+        line = cli.fails(1, "migrate")
+        assert said in line and "needs `agentruns migrate`" not in line, line
+
+
+def test_a_failed_commit_on_sqlite_is_said_as_its_error_not_as_a_file_not_opened() -> None:
+    # A full disk failed the COMMIT, which SQLAlchemy reports with no statement, as it
+    # does a connection that could not be made: "cannot open the database … (check
+    # AGENTRUNS_DATABASE_URL; a new database needs agentruns migrate)".
+    full = sa.exc.OperationalError(None, None, sqlite3.OperationalError("database or disk is full"))
+    said = database_failure("sqlite:////data/runs.db", full)
+    assert said == "database error on sqlite:////data/runs.db: database or disk is full"
 
 
 def test_a_database_that_is_not_migrated_says_to_migrate(

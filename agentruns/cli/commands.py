@@ -27,6 +27,7 @@ def cmd_migrate(session: Session, args: argparse.Namespace) -> int:
     from agentruns.migrate import migrate
 
     url = session.settings.database_url
+    session.refuse_sqlite_memory()
     revision = migrate(url)
     session.json({"database": shown_url(url), "revision": revision})
     session.say(f"migrated {shown_url(url)} to revision {revision}")
@@ -125,24 +126,39 @@ def cmd_answer(session: Session, args: argparse.Namespace) -> int:
 def cmd_cancel(session: Session, args: argparse.Namespace) -> int:
     engine = session.engine()
     before = engine.get_run(args.run)
+    session.follow()
     run = engine.cancel(args.run)
     session.raise_reported()
     session.json({"run": render.run_json(run)})
-    session.say(render.run_line(run))
+    if session.shown.get(run.id) != run.status.value:  # else follow() has said so
+        session.say(render.run_line(run))
     if before.status.is_final:
         # Said, or a second cancel (or one of a completed run) reads as if it had acted.
         session.say(f"it was already {before.status.value}: a final run stays as it is")
-    elif run.status is RunStatus.RUNNING and _unheld(engine, run.id):
-        session.say(
+    elif run.status is RunStatus.RUNNING:
+        session.say(_cancel_requested(_unheld(engine, run.id)))
+    # The cancel freed its run's thread or concurrency key: the next run in that line
+    # may have started here (embedded), to run until it ends or waits, not be cut off.
+    session.settle()
+    return 0
+
+
+def _cancel_requested(unheld: bool | None) -> str:
+    if unheld:
+        return (
             "cancel requested: no worker holds it now (its worker died, or let it go in an"
             " outage); it settles cancelled when recover() takes it, once its claim expires"
         )
-    elif run.status is RunStatus.RUNNING:
-        session.say(
-            "cancel requested: the execution holding it stops within about a second"
-            " (a tool call in progress first returns: its ctx.signal is set)"
+    stops = (
+        "cancel requested: the execution holding it stops within about a second"
+        " (a tool call in progress first returns: its ctx.signal is set)"
+    )
+    if unheld is None:  # another process's local lease: this one cannot tell if it lives
+        stops += (
+            "; if the process running it died, it settles cancelled when `agentruns"
+            " recover` takes it, once its claim expires"
         )
-    return 0
+    return stops
 
 
 def cmd_retry(session: Session, args: argparse.Namespace) -> int:
@@ -288,11 +304,11 @@ def _given_up(session: Session, engine: Engine, run_id: str) -> bool:
         client.close()
 
 
-def _unheld(engine: Engine, run_id: str) -> bool:
-    """No process holds the run's lease (shared leases only: this process cannot see
-    another's local ones)."""
+def _unheld(engine: Engine, run_id: str) -> bool | None:
+    """Whether no process holds the run's lease; None if this process cannot see it
+    (another's local lease)."""
     if getattr(engine.leases, "process_local", False):
-        return False
+        return None
     try:
         return engine.leases.holder(run_id) is None
     except Exception:

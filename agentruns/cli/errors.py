@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import redis
+import sqlalchemy
 import sqlalchemy.exc
 from pydantic import ValidationError
 
@@ -85,13 +88,35 @@ def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tu
 def database_failure(database: str, exc: sqlalchemy.exc.DBAPIError) -> str:
     """A database that could not be opened (the URL, the server, the file) gets advice
     on those; one that failed a statement (a full disk, a dropped connection), its error."""
-    if exc.statement in (None, "connect"):  # connecting: no statement was sent
+    said = first_line(exc.orig or exc, typed=False)
+    if database.startswith("sqlite"):
+        # SQLite opens its file lazily: a COMMIT that fails (a full disk) has no
+        # statement either; only this error is the file's that could not be opened.
+        opening = "unable to open database file" in said
+    else:
+        opening = exc.statement in (None, "connect")  # connecting: no statement was sent
+    if opening:
         return unreachable_database(database, exc)
-    return f"database error on {database}: {first_line(exc.orig or exc, typed=False)}"
+    return f"database error on {database}: {said}"
+
+
+def _sqlite_advice(database: str) -> str:
+    """Why SQLite may not open the file ``database`` names."""
+    path = Path(sqlalchemy.make_url(database).database or "")
+    if path.is_dir():
+        return f"{path} is a directory: name a file in it"
+    if not path.parent.is_dir():
+        return f"the directory {path.parent} does not exist: create it first"
+    return (
+        f"SQLite must be able to write the file and, in {path.parent}, its -wal and -shm"
+        " files beside it; check AGENTRUNS_DATABASE_URL"
+    )
 
 
 def unreachable_database(database: str, exc: sqlalchemy.exc.DBAPIError) -> str:
     said = first_line(exc.orig or exc, typed=False)
+    if database.startswith("sqlite"):
+        return f"cannot open the database {database}: {said} ({_sqlite_advice(database)})"
     if 'database "' in said and "does not exist" in said:
         # `agentruns migrate` makes the tables, not the database (it said to run it).
         advice = "create it (`createdb`, or your provider's console), then `agentruns migrate`"

@@ -18,7 +18,7 @@ from agentruns.events import Event
 from agentruns.leases import LocalLeases
 from agentruns.schedulers import LocalScheduler
 from agentruns.settings import Settings, is_redis_url
-from agentruns.store.connect import missing_sqlite_file, shown_url
+from agentruns.store.connect import is_sqlite_memory, missing_sqlite_file, shown_url
 from agentruns.wiring import engine_from_settings, load_agents
 
 
@@ -97,7 +97,18 @@ class Session:
                 f"(AGENTRUNS_AGENTS): {type(exc).__name__}: {first_line(exc, typed=False)}"
             ) from None
 
+    def refuse_sqlite_memory(self) -> None:
+        """An in-memory SQLite database ends with the command: migrated by one, it
+        was gone for the next, which said to migrate it."""
+        if is_sqlite_memory(self.settings.database_url):
+            raise CliError(
+                f"{self.settings.database_url} is an in-memory database, gone when this"
+                " command ends: give the CLI a file, e.g. sqlite:///agentruns.db"
+                " (AGENTRUNS_DATABASE_URL)"
+            )
+
     def _check_sqlite_file(self) -> None:
+        self.refuse_sqlite_memory()
         # Opening a missing SQLite file would create an empty one; say what to do instead.
         if missing_sqlite_file(self.settings.database_url) is not None:
             raise CliError(

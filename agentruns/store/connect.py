@@ -34,8 +34,7 @@ def _check_supported(url: str) -> None:
         parsed = sa.make_url(url)
     except sa.exc.ArgumentError:
         return  # SQLAlchemy's own message says what is wrong with it
-    backend, driver = parsed.get_backend_name(), parsed.get_driver_name()
-    if backend == "sqlite" or (backend == "postgresql" and driver == "psycopg"):
+    if parsed.drivername in (*_SQLITE, "postgresql+psycopg"):
         return
     raise AgentrunsError(
         f"agentruns stores runs in Postgres (postgresql+psycopg://...) or SQLite"
@@ -62,12 +61,25 @@ os.register_at_fork(after_in_child=_forget_parents_connections)
 _SECRET_PARAMETERS = ("password", "secret", "token")
 
 
+# SQLite through the standard library's driver, the one agentruns speaks to it with.
+_SQLITE = ("sqlite", "sqlite+pysqlite")
+
+
+def is_sqlite_memory(url: str | sa.URL) -> bool:
+    """Whether ``url`` is an in-memory SQLite database (one per connection, gone after)."""
+    parsed = sa.make_url(url)
+    path = parsed.database
+    if parsed.drivername not in _SQLITE:
+        return False
+    return not path or path == ":memory:" or "mode=memory" in str(parsed)
+
+
 def missing_sqlite_file(url: str | sa.URL) -> str | None:
     """The file a SQLite URL names, if it does not exist (opening it would create it,
     empty); None for any other URL."""
     parsed = sa.make_url(url)
     path = parsed.database
-    if parsed.get_backend_name() != "sqlite" or not path or path == ":memory:":
+    if parsed.drivername not in _SQLITE or not path or path == ":memory:":
         return None
     if parsed.query.get("uri"):  # file:…?mode=memory and the like: SQLite's to read
         return None

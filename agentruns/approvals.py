@@ -16,6 +16,7 @@ from typing import Protocol
 from agentruns import pending as pending_
 from agentruns import tokens
 from agentruns.agent import Agent
+from agentruns.announcer import Announcer
 from agentruns.errors import AgentrunsError, InvalidTokenError, NotifierError, UnknownAgentError
 from agentruns.events import Events
 from agentruns.leases.base import Leases
@@ -43,6 +44,8 @@ class Host(Protocol):
 
     def published(self, committed: Committed) -> None: ...
 
+    def inside(self) -> contextlib.AbstractContextManager[None]: ...
+
     def report(self, exc: Exception) -> None: ...
 
 
@@ -66,6 +69,24 @@ class Approvals:
         self.engine = engine
         self._seen: dict[str, _Seen] = {}  # by token id: what tick read of wait points
         self._seen_lock = threading.Lock()
+        self._announcer = Announcer(self._notify_inside, engine.report)
+
+    def announce(self, run: Run) -> None:
+        """Call the notifier of the run's wait point soon, on a thread of the engine's."""
+        agent = self.engine.agents.get(run.agent)
+        if agent is not None and agent.notifier is not None:
+            self._announcer.ask(run)
+
+    def busy(self) -> bool:
+        """Whether a notifier call is asked for or under way."""
+        return self._announcer.busy()
+
+    def close(self, timeout: float) -> None:
+        self._announcer.close(timeout)
+
+    def _notify_inside(self, run: Run) -> None:
+        with self.engine.inside():
+            self.notify(run)
 
     def resume(self, token: str, *, approved: bool, reason: str | None = None) -> Run:
         """Answer the approval a token stands for, once; the run is queued again."""
@@ -185,7 +206,7 @@ class Approvals:
                 with contextlib.suppress(InvalidTokenError):
                     self._answer(run, approved=False, reason="approval expired")
             elif wait.notified_at is None:
-                self.notify(run)
+                self.announce(run)
         except Exception as exc:
             self.engine.report(exc)
 

@@ -294,6 +294,17 @@ class Engine:
             )
 
     @contextlib.contextmanager
+    def inside(self) -> Iterator[None]:
+        """This thread runs code the engine calls (a notifier on a thread of its own):
+        ``idle`` and ``close`` from it are refused, as from a tool, and what it calls
+        on the engine is a call inside one, which a close under way lets through."""
+        self._local.calls = getattr(self._local, "calls", 0) + 1
+        try:
+            yield
+        finally:
+            self._local.calls -= 1
+
+    @contextlib.contextmanager
     def _calling(self, new_work: bool = True) -> Iterator[None]:
         """A call in progress, for ``idle`` and ``close``: an ``execute`` or
         ``dispatch_here`` from before its claim until after what follows a run's
@@ -435,7 +446,7 @@ class Engine:
             if current.status is RunStatus.QUEUED:
                 self.scheduler.schedule(run_id)
             elif current.status is RunStatus.WAITING:
-                self._approvals.notify(current)
+                self._approvals.announce(current)
         except Exception as exc:
             self.report(exc)
 
@@ -624,6 +635,7 @@ class Engine:
                 and not self._keeper.busy()
                 and self.scheduler.outstanding() == 0
                 and not self.events.busy()
+                and not self._approvals.busy()
             ):
                 return True
             if deadline is not None and time.monotonic() >= deadline:
@@ -636,10 +648,11 @@ class Engine:
             return
         self._closed = True
         self.drain()
-        # What follows an execution runs after its slot is free (a notifier): the
-        # pools it uses are not closed under it.
+        # What follows an execution runs after its slot is free: the pools it uses
+        # are not closed under it, nor under the notifier calls it asked for.
         while self._calls:
             time.sleep(0.005)
+        self._approvals.close(_NOTIFIERS_AT_CLOSE_S)
         self._keeper.stop()
         self._unsubscribe_aborts()
         for closer in self._closers:
@@ -716,3 +729,6 @@ def _signing_key(secret: str | None, leases: Leases) -> str:
 
 # How long the note that a live process gave a run's claim up is kept for recover().
 _GIVEN_UP_S = 3600.0
+# How long close() waits for notifier calls under way (a tick of any engine calls
+# again those it leaves: their wait points are not marked announced).
+_NOTIFIERS_AT_CLOSE_S = 10.0

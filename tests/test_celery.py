@@ -168,7 +168,13 @@ def leases() -> Iterator[RedisLeases]:
 def engine(make_engine: EngineFactory, celery_app: Any) -> Engine:
     """An engine in the test process whose executions go to the workers."""
     return make_engine(
-        [celery_agents.quick, celery_agents.charger, celery_agents.reporter, celery_agents.waiter],
+        [
+            celery_agents.quick,
+            celery_agents.charger,
+            celery_agents.reporter,
+            celery_agents.waiter,
+            celery_agents.asker,
+        ],
         scheduler=CeleryScheduler(celery_app),
         leases=RedisLeases(REDIS_URL),
         lease_ttl=LEASE_TTL,
@@ -595,6 +601,26 @@ def test_a_retry_task_takes_a_failed_run_on_in_a_worker(cluster: Cluster, engine
     retry.delay(run.id)  # completed now: refused once, not retried
     wait_for(lambda: "raised expected: NotRetryableError" in worker.output(), "the refusal")
     assert "Retry in" not in worker.output()
+
+
+def test_a_hanging_notifier_holds_back_no_other_run_in_a_worker(
+    cluster: Cluster, engine: Engine
+) -> None:
+    # The notifier ran on the pool thread of the execute task whose run paused, and
+    # tick called the notifiers one after another, its tasks piling up every second
+    # while a chat webhook hung: paused runs held the pool's threads, and no other
+    # run started until the webhook answered.
+    cluster.workers("w1", concurrency=2, beat=True)
+    asked = [engine.dispatch("asker", trigger({"n": n})) for n in range(3)]
+    wait_for(lambda: len(cluster.tool_calls("notifying")) == 3 or None, "every notifier call")
+    quick = engine.dispatch("quick", trigger({}))
+    wait_for(partial(completed, engine, quick.id), "a run while the notifiers hang")
+    assert cluster.tool_calls("notified") == []  # they hang still
+    Path(f"{cluster.tool_log}.release").touch()
+    for run in asked:
+        wait_for(lambda r=run: engine.get_run(r.id).waiting.notified_at, "the notifications")  # type: ignore[union-attr]
+    time.sleep(1.5)  # ticks every second: none calls a notifier again
+    assert len(cluster.tool_calls("notifying")) == len(cluster.tool_calls("notified")) == 3
 
 
 def test_a_tool_imports_from_the_working_directory_as_it_runs_in_a_worker(

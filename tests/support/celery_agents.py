@@ -97,3 +97,29 @@ waiter = Agent(
     ScriptedModel([tool_use("wait_a_while", {"seconds": 3}), text("Waited.")]),
     tools=[wait_a_while],
 )
+
+
+@tool(needs_approval=True)
+def publish(text: str, ctx: ToolContext) -> str:
+    """Publish a note: a person approves it first."""
+    log(f"publish {ctx.run.id}")
+    return f"published {text}"
+
+
+def slow_notifier(run: Any, wait: Any, token: str) -> None:
+    """A chat webhook that hangs until the test lets it go (the file
+    ``AGENTRUNS_TEST_LOG`` + ``.release`` appears), a minute at most."""
+    log(f"notifying {run.id}")
+    release = f"{os.environ.get('AGENTRUNS_TEST_LOG', '')}.release"
+    deadline = time.monotonic() + 60
+    while not os.path.exists(release) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log(f"notified {run.id}")
+
+
+asker = Agent(
+    "asker",
+    ScriptedModel([tool_use("publish", {"text": "news"}), text("Published.")]),
+    tools=[publish],
+    notifier=slow_notifier,
+)

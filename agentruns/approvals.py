@@ -17,7 +17,13 @@ from agentruns import pending as pending_
 from agentruns import tokens
 from agentruns.agent import Agent
 from agentruns.announcer import Announcer
-from agentruns.errors import AgentrunsError, InvalidTokenError, NotifierError, UnknownAgentError
+from agentruns.errors import (
+    AgentrunsError,
+    InvalidAnswerError,
+    InvalidTokenError,
+    NotifierError,
+    UnknownAgentError,
+)
 from agentruns.events import Events
 from agentruns.leases.base import Leases
 from agentruns.runs import Run, RunStatus, WaitPoint, is_utf8, utcnow
@@ -91,9 +97,9 @@ class Approvals:
     def resume(self, token: str, *, approved: bool, reason: str | None = None) -> Run:
         """Answer the approval a token stands for, once; the run is queued again."""
         if not isinstance(approved, bool):
-            raise TypeError(f"approved must be True or False, not {approved!r}")
+            raise InvalidAnswerError(f"approved must be True or False, not {approved!r}")
         if reason is not None and not (isinstance(reason, str) and is_utf8(reason)):
-            raise TypeError(f"reason must be UTF-8 text or None, not {reason!r}")
+            raise InvalidAnswerError(f"reason must be UTF-8 text or None, not {reason!r}")
         engine = self.engine
         claims = tokens.verify(engine.secret, token)
         try:

@@ -145,6 +145,12 @@ class InvalidTriggerError(AgentrunsError):
     """The trigger is not a valid envelope, or its payload is not JSON."""
 
 
+class InvalidAnswerError(AgentrunsError, TypeError):
+    """An answer to an approval whose ``approved`` is not a bool or whose ``reason``
+    is not text (a ``TypeError`` too; an ``AgentrunsError`` for a task to say in one
+    line, as it does a bad token)."""
+
+
 class NotMigratedError(AgentrunsError):
     """The database schema is missing or behind: run ``agentruns migrate``."""
 

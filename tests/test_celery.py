@@ -559,12 +559,14 @@ def test_redelivered_and_bad_messages_store_nothing_more(cluster: Cluster, engin
     dispatch.delay("no-such-agent", trigger())
     dispatch.delay("quick", {"payload": 1})  # not a trigger envelope
     resume.delay("not-a-token", True)
+    resume.delay("not-a-token", "yes")  # a traceback at ERROR, as if agentruns had failed
     cancel.delay("no-such-run")
     execute.delay("no-such-run")
     expected = {
         "UnknownAgentError": 1,
         "InvalidTriggerError": 1,
         "InvalidTokenError": 1,
+        "InvalidAnswerError": 1,
         "RunNotFoundError": 2,
     }
 

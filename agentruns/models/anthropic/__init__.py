@@ -319,10 +319,14 @@ def _content(message: Message) -> list[dict[str, Any]]:
 
 
 def _usage(message: Message) -> Usage:
-    u = message.usage
-    return Usage(
-        input_tokens=u.input_tokens or 0,
-        output_tokens=u.output_tokens or 0,
-        cache_creation_input_tokens=u.cache_creation_input_tokens or 0,
-        cache_read_input_tokens=u.cache_read_input_tokens or 0,
-    )
+    # The SDK builds the message unchecked: a count a gateway leaves out is missing.
+    counts = {
+        name: getattr(message.usage, name, None) or 0
+        for name in (
+            "input_tokens",
+            "output_tokens",
+            "cache_creation_input_tokens",
+            "cache_read_input_tokens",
+        )
+    }
+    return Usage(**counts)

@@ -60,11 +60,14 @@ def migrate(url: str, lock_timeout: float = LOCK_TIMEOUT_S) -> str | None:
                 )
             config = _config()
             config.attributes["connection"] = conn
-            legacy = legacy_revision(conn)
-            if legacy is not None and not sa.inspect(conn).has_table(VERSION_TABLE):
+            moved = None
+            if not sa.inspect(conn).has_table(VERSION_TABLE):
                 # Migrated by a release that recorded it in Alembic's default table:
-                # the revision moves to agentruns' own before anything else.
-                command.stamp(config, legacy)
+                # the revision moves to agentruns' own before anything else. From then
+                # on that table is left alone: an application's Alembic may use it.
+                moved = legacy_revision(conn)
+                if moved is not None:
+                    command.stamp(config, moved)
             try:
                 command.upgrade(config, "head")
             except sa.exc.OperationalError as exc:
@@ -75,12 +78,16 @@ def migrate(url: str, lock_timeout: float = LOCK_TIMEOUT_S) -> str | None:
                     "transaction holds (a long query?); it changed nothing: run it again"
                 ) from exc
             revision = current_revision(conn)
-            if legacy not in (None, revision):
-                # Older workers still read it: an old one that restarts refuses a
-                # database a newer release migrated, as it always did.
+            if moved not in (None, revision):
+                # The record just moved is the older workers': brought to the new
+                # revision with it, an old one that restarts refuses the database a
+                # newer release migrated, as it always did.
                 conn.execute(
-                    sa.text(f"UPDATE {LEGACY_VERSION_TABLE} SET version_num = :revision"),
-                    {"revision": revision},
+                    sa.text(
+                        f"UPDATE {LEGACY_VERSION_TABLE} SET version_num = :revision"
+                        " WHERE version_num = :moved"
+                    ),
+                    {"revision": revision, "moved": moved},
                 )
             return revision
     finally:

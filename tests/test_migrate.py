@@ -317,7 +317,7 @@ _APP_REVISION = """
 import sqlalchemy as sa
 from alembic import op
 
-revision = "ae1027a6acf"
+revision = "{revision}"
 down_revision = None
 
 
@@ -359,23 +359,28 @@ def _revisions(url: str) -> dict[str, str | None]:
 
 
 @pytest.mark.parametrize("app_first", [True, False], ids=["app-first", "agentruns-first"])
+@pytest.mark.parametrize("app_revision", ["ae1027a6acf", REVISIONS[1]], ids=["hex", "numbered"])
 def test_an_applications_alembic_shares_the_database_with_agentruns(
-    empty_pg: str, tmp_path: Path, app_first: bool
+    empty_pg: str, tmp_path: Path, app_first: bool, app_revision: str
 ) -> None:
     # Both recorded their revision in Alembic's default table: agentruns migrate
     # after the app's said "a newer release migrated it", and the app's upgrade
-    # after agentruns' failed with "Can't locate revision identified by '0004'".
+    # after agentruns' failed with "Can't locate revision identified by '0004'". An
+    # app whose revisions are numbered as agentruns' are had its record taken for an
+    # earlier release's and moved on to agentruns' newest, its migrations skipped.
     scripts = tmp_path / "app_migrations"
     (scripts / "versions").mkdir(parents=True)
     (scripts / "env.py").write_text(_APP_ENV)
-    (scripts / "versions" / "ae1027a6acf_users.py").write_text(_APP_REVISION)
+    (scripts / "versions" / f"{app_revision}_users.py").write_text(
+        _APP_REVISION.format(revision=app_revision)
+    )
     for url in (empty_pg, f"sqlite:///{tmp_path}/shared.db"):
         if app_first:
-            assert _app_upgrade(url, scripts) == "ae1027a6acf"
-        assert migrate(url) == HEAD
-        assert _app_upgrade(url, scripts) == "ae1027a6acf"
-        assert migrate(url) == HEAD  # and again, each finding its own revision
-        assert _revisions(url) == {VERSION_TABLE: HEAD, LEGACY_VERSION_TABLE: "ae1027a6acf"}
+            assert _app_upgrade(url, scripts) == app_revision
+        for _ in range(2):  # every deploy runs both
+            assert migrate(url) == HEAD
+            assert _app_upgrade(url, scripts) == app_revision
+        assert _revisions(url) == {VERSION_TABLE: HEAD, LEGACY_VERSION_TABLE: app_revision}
         Engine(url, agents=[Agent("a", ScriptedModel([text("ok")]))], secret="s").close()
 
 

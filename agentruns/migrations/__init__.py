@@ -16,8 +16,8 @@ HEAD = REVISIONS[-1]
 # application's Alembic can share the database (each would take the other's
 # revision in Alembic's default table for an unknown one of its own).
 VERSION_TABLE = "agentruns_alembic_version"
-# Where agentruns recorded it before it had a table of its own. While that holds
-# one of agentruns' revisions, ``migrate`` keeps it in step, for older workers.
+# Where agentruns recorded it before it had a table of its own; ``migrate`` moves
+# the record from there once (then an application's Alembic may use that table).
 LEGACY_VERSION_TABLE = "alembic_version"
 # A table every agentruns schema has: Alembic's default table holds agentruns'
 # revision only beside it (an application's revisions may be numbered alike).
@@ -30,7 +30,8 @@ def _version(conn: Connection, table: str) -> str | None:
 
 
 def legacy_revision(conn: Connection) -> str | None:
-    """The revision an earlier release recorded in Alembic's default table, if any."""
+    """The revision an earlier release recorded in Alembic's default table, if any (to
+    be read only where agentruns' own table is not: else it may be an application's)."""
     tables = sa.inspect(conn)
     if not (tables.has_table(LEGACY_VERSION_TABLE) and tables.has_table(_RUNS)):
         return None

@@ -4,6 +4,7 @@ approvals is ``approvals.py``'s."""
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
 import secrets
@@ -550,9 +551,10 @@ class Engine:
         their recorded results. ``budget`` replaces the limits it names in the budget the
         run had (a run failed on its budget fails on it again unless it grows). A run
         queued already (retried by another caller, or by this call's first try, whose
-        reply was lost) is scheduled again, its budget as it is: a nudge, which its
-        claim decides. Raises ``NotRetryableError`` for a run in any other status, or if
-        a later run of its thread has started."""
+        reply was lost) is scheduled again: a nudge, which its claim decides. Raises
+        ``NotRetryableError`` for a run in any other status, for a queued one whose
+        budget is not the one ``budget`` would give it, or if a later run of its thread
+        has started."""
         run_id = intake.run_id(run_id)
         with self._calling():
             raised = None
@@ -564,6 +566,14 @@ class Engine:
                     self.events.run_updated(run)
             if not retried and run.status is not RunStatus.QUEUED:
                 raise NotRetryableError(run_id, self._why_not_retried(run))
+            if not retried and raised is not None and run.budget != raised:
+                # Another retry queued it first, with its own budget: this one's would
+                # not be applied, and its caller be told it was.
+                raise NotRetryableError(
+                    run_id,
+                    f"run {run_id} is queued already (retried by another caller?) with"
+                    f" budget {_limits(run.budget)}, not this retry's {_limits(raised)}",
+                )
             if retried:
                 log.info("run %s queued again after it failed", run_id)
             self.scheduler.schedule(run_id)
@@ -729,6 +739,14 @@ def _signing_key(secret: str | None, leases: Leases) -> str:
 
 # How long the note that a live process gave a run's claim up is kept for recover().
 _GIVEN_UP_S = 3600.0
+
+
+def _limits(budget: Budget | None) -> str:
+    if budget is None:
+        return "its agent's"
+    return json.dumps(budget.model_dump(mode="json"))
+
+
 # How long close() waits for notifier calls under way (a tick of any engine calls
 # again those it leaves: their wait points are not marked announced).
 _NOTIFIERS_AT_CLOSE_S = 10.0

@@ -955,7 +955,14 @@ def test_dispatch_and_retry_take_a_budget(cli: Cli) -> None:
         assert said in cli.fails(2, "retry", run["id"], "--budget", bad)
     code, out, _ = cli("show", run["id"])
     assert f"""retry: agentruns retry {run["id"]} --budget '{{"max_steps": 2}}'""" in out
-    code, out, _ = cli("--json", "retry", run["id"], "--budget", '{"max_steps": 5}')
+    # A retry's budget below what the run used: the hint is twice the use, not the limit.
+    cli("retry", run["id"], "--budget", '{"max_steps": 5, "max_tokens": 10}')
+    code, out, _ = cli("show", run["id"])
+    assert "token_budget_exceeded: the run used 480 of 10 tokens" in out
+    assert f"""retry: agentruns retry {run["id"]} --budget '{{"max_tokens": 960}}'""" in out
+    code, out, _ = cli(
+        "--json", "retry", run["id"], "--budget", '{"max_steps": 5, "max_tokens": 200000}'
+    )
     retried = json.loads(out)["run"]
     assert code == 0 and retried["status"] == "waiting"  # on to the approval its second step asks
     assert retried["budget"] == {"max_steps": 5, "max_tokens": 200_000, "timeout_s": 300.0}

@@ -401,11 +401,30 @@ def test_a_retry_with_a_budget_refused_changes_nothing(make_any_engine: EngineFa
             engine.retry(run.id, budget=bad)
     assert engine.get_run(run.id) == failed
     assert engine.scheduler.scheduled == []  # type: ignore[attr-defined]
-    # A run queued already is sent again, its budget as it was.
+    # Queued already by another retry: this one's budget would not be applied, and
+    # its caller was told the run was retried (two `agentruns retry --budget` at once).
     engine.retry(run.id)
-    assert engine.retry(run.id, budget={"max_steps": 9}).budget is None
+    with pytest.raises(NotRetryableError, match="queued already .* with budget its agent's, not"):
+        engine.retry(run.id, budget={"max_steps": 9})
     assert engine.get_run(run.id).budget is None
     # An engine that does not know the run's agent cannot tell what to raise.
     stranger = make_any_engine([], scheduler=ManualScheduler())
     with pytest.raises(UnknownAgentError):
         stranger.retry(run.id, budget={"max_steps": 9})
+
+
+def test_a_retry_with_a_budget_whose_reply_was_lost_is_sent_again(
+    make_any_engine: EngineFactory,
+) -> None:
+    # The task retried through an outage after a first try that went through: the
+    # run is queued with the very budget this retry gives it, and is nudged.
+    engine = make_any_engine(
+        [Agent("a", _looping(2), tools=[_made([])[0]], budget=Budget(max_steps=1))],
+        scheduler=ManualScheduler(),
+    )
+    run = engine.dispatch("a", trigger({}), schedule=False)
+    engine.execute(run.id)
+    for _ in range(2):
+        assert engine.retry(run.id, budget={"max_steps": 3}).budget == Budget(max_steps=3)
+    assert engine.scheduler.scheduled == [run.id, run.id]  # type: ignore[attr-defined]
+    assert engine.execute(run.id).status is RunStatus.COMPLETED

@@ -168,8 +168,7 @@ def cmd_retry(session: Session, args: argparse.Namespace) -> int:
     run = engine.retry(args.run, budget=_budget(args.budget))
     session.raise_reported()
     if before.status is RunStatus.QUEUED:
-        kept = " (its budget as it was)" if args.budget is not None else ""
-        session.say(f"run {run.id} is queued already: sent to the workers again{kept}")
+        session.say(f"run {run.id} is queued already: sent to the workers again")
     else:
         session.say(f"retrying run {run.id} ({run.agent}) from its latest checkpoint")
     session.settle()

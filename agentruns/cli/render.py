@@ -198,12 +198,13 @@ def _raised(run: Run) -> str:
     """The ``--budget`` a retry of a run failed on its budget needs to go on."""
     budget = run.budget
     code = run.error.code if run.error is not None else None
+    # Twice the limit, or what the run used if more (a limit a retry set below it).
     if code == "step_budget_exceeded":
-        steps = budget.max_steps if budget is not None else run.steps_used
+        steps = max(budget.max_steps if budget is not None else 0, run.steps_used)
         return f" --budget '{{\"max_steps\": {2 * steps}}}'"
     if code == "token_budget_exceeded":
-        tokens = budget.max_tokens if budget is not None else None
-        return f" --budget '{{\"max_tokens\": {2 * (tokens or run.usage.total_tokens)}}}'"
+        tokens = max((budget.max_tokens or 0) if budget is not None else 0, run.usage.total_tokens)
+        return f" --budget '{{\"max_tokens\": {2 * tokens}}}'"
     return ""
 
 

@@ -404,7 +404,7 @@ def test_a_retry_with_a_budget_refused_changes_nothing(make_any_engine: EngineFa
     # Queued already by another retry: this one's budget would not be applied, and
     # its caller was told the run was retried (two `agentruns retry --budget` at once).
     engine.retry(run.id)
-    with pytest.raises(NotRetryableError, match="queued already .* with budget its agent's, not"):
+    with pytest.raises(NotRetryableError, match=r"queued already .* with budget its agent's, not"):
         engine.retry(run.id, budget={"max_steps": 9})
     assert engine.get_run(run.id).budget is None
     # An engine that does not know the run's agent cannot tell what to raise.

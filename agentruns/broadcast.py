@@ -18,12 +18,13 @@ from collections.abc import Iterator
 import redis
 
 from agentruns.events import Event
+from agentruns.leases.redis import scoped
 
 log = logging.getLogger("agentruns")
 
 
-def channel(prefix: str) -> str:
-    return f"{prefix}:events"
+def channel(client: redis.Redis, prefix: str) -> str:
+    return scoped(client, f"{prefix}:events")
 
 
 def summary(event: Event) -> dict[str, object]:
@@ -48,7 +49,7 @@ class EventPublisher:
 
     def __init__(self, url: str, *, prefix: str = "agentruns", maxsize: int = 10_000) -> None:
         self._client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
-        self._channel = channel(prefix)
+        self._channel = channel(self._client, prefix)
         self._queue: queue.Queue[dict[str, object] | None] = queue.Queue(maxsize)
         self._listening = False
         self._closing = False
@@ -124,7 +125,7 @@ def subscribe(
     client = redis.Redis.from_url(url, socket_connect_timeout=5)
     pubsub = client.pubsub()  # type: ignore[no-untyped-call]
     try:
-        pubsub.subscribe(channel(prefix))
+        pubsub.subscribe(channel(client, prefix))
         while True:
             message = pubsub.get_message(timeout=timeout)
             if message is None:

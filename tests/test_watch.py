@@ -156,12 +156,14 @@ def test_watch_takes_redis_events_again_once_redis_is_back(
     private_redis.start()
     publisher = redis.Redis.from_url(private_redis.url)
     for _ in range(200):  # at most about 10 s of wake-ups
-        if next(wakeups) == [] and publisher.pubsub_numsub(channel("agentruns"))[0][1]:
+        if next(wakeups) == [] and publisher.pubsub_numsub(channel(publisher, "agentruns"))[0][1]:
             break
     else:
         raise AssertionError("the watch did not subscribe again")
     assert "receiving Redis's events again" in capsys.readouterr().err
-    publisher.publish(channel("agentruns"), json.dumps({"type": "run.updated", "run_id": "r"}))
+    publisher.publish(
+        channel(publisher, "agentruns"), json.dumps({"type": "run.updated", "run_id": "r"})
+    )
     assert next(wakeups) == [{"type": "run.updated", "run_id": "r"}]
 
 
@@ -330,6 +332,35 @@ def test_a_watchers_look_reads_in_full_only_the_runs_whose_status_it_shows(
         engine.close()
 
 
+def test_events_and_aborts_stay_within_their_redis_database() -> None:
+    # Redis' pub/sub is one for the whole server: a deployment on its database 1
+    # (staging) heard every event and abort of one on database 0, and its workers
+    # made events for the other's watchers.
+    here, there = REDIS_URL, REDIS_URL.rsplit("/", 1)[0] + "/1"
+    prefix = f"scoped-{os.getpid()}"
+    wakeups = subscribe(here, prefix=prefix, timeout=0.2)
+    aborts: list[str] = []
+    own, other = RedisLeases(here, prefix=prefix), RedisLeases(there, prefix=prefix)
+    publisher = EventPublisher(there, prefix=prefix)
+    try:
+        assert next(wakeups) == []  # subscribed
+        own.on_abort_request(aborts.append)
+        time.sleep(EventPublisher.LOOK_EVERY_S * 3)
+        assert not publisher.wanted()  # the watcher is another database's
+        other.request_abort("run-there")
+        own.request_abort("run-here")
+        wait = time.monotonic() + 5
+        while not aborts and time.monotonic() < wait:
+            time.sleep(0.02)
+        time.sleep(0.2)
+        assert aborts == ["run-here"]
+    finally:
+        wakeups.close()
+        publisher.close()
+        own.close()
+        other.close()
+
+
 def test_events_that_arrive_together_are_read_in_one_wakeup() -> None:
     # A watcher looked at the store once per event, fell behind a busy deployment,
     # and its unread events piled up in Redis.
@@ -340,8 +371,8 @@ def test_events_that_arrive_together_are_read_in_one_wakeup() -> None:
         assert next(wakeups) is None  # quiet
         publisher = redis.Redis.from_url(REDIS_URL)
         for i in range(50):
-            publisher.publish(channel(prefix), json.dumps({"run_id": str(i)}))
-        publisher.publish(channel(prefix), "not json")
+            publisher.publish(channel(publisher, prefix), json.dumps({"run_id": str(i)}))
+        publisher.publish(channel(publisher, prefix), "not json")
         publisher.close()
         time.sleep(0.3)
         batch = next(wakeups)

@@ -29,6 +29,14 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+def scoped(client: redis.Redis, channel: str) -> str:
+    """``channel`` for the database ``client`` uses: Redis' pub/sub is one for the
+    whole server, and two deployments on its databases 0 and 1 (staging beside
+    production) heard each other's aborts and events."""
+    db = client.connection_pool.connection_kwargs.get("db", 0)
+    return f"{channel}@{db}"
+
+
 class RedisLeases:
     """A lease per run is a key holding its owner (``SET NX PX``); aborts go over pub/sub.
 
@@ -55,7 +63,7 @@ class RedisLeases:
             retry=Retry(NoBackoff(), 1),
         )
         self._prefix = prefix
-        self._abort_channel = f"{prefix}:abort"
+        self._abort_channel = scoped(self._client, f"{prefix}:abort")
         self._renew = self._client.register_script((_SCRIPTS / "renew.lua").read_text())
         self._release = self._client.register_script((_SCRIPTS / "release.lua").read_text())
         self._handlers = AbortHandlers()

@@ -557,9 +557,10 @@ class Engine:
         has started."""
         run_id = intake.run_id(run_id)
         with self._calling():
+            before = self.store.get_run(run_id)  # its failure, said once it is cleared
             raised = None
             if budget is not None:
-                raised = intake.retried_budget(self._agents, self.store.get_run(run_id), budget)
+                raised = intake.retried_budget(self._agents, before, budget)
             with self.events.writing(run_id):
                 run, retried = self.store.retry(run_id, raised)
                 if retried:
@@ -575,7 +576,12 @@ class Engine:
                     f" budget {_limits(run.budget)}, not this retry's {_limits(raised)}",
                 )
             if retried:
-                log.info("run %s queued again after it failed", run_id)
+                failure = before.error
+                log.info(
+                    "run %s queued again after it failed%s",
+                    run_id,
+                    f" ({failure.code}: {failure.message[:300]})" if failure is not None else "",
+                )
             self.scheduler.schedule(run_id)
             return run
 

@@ -61,7 +61,7 @@ def _made(calls: list[str]) -> tuple[Any, Any]:
 
 
 def test_a_run_failed_by_the_model_goes_on_from_its_checkpoint_when_retried(
-    make_any_engine: EngineFactory,
+    make_any_engine: EngineFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     # A run failed with model_error after an outage of the provider was a dead end: a
     # new dispatch (with another idempotency key) made every call again, the charge too.
@@ -79,8 +79,12 @@ def test_a_run_failed_by_the_model_goes_on_from_its_checkpoint_when_retried(
     before = engine.steps(run.id)
     model.down.clear()  # the provider is back
 
-    retried = engine.retry(run.id)
+    with caplog.at_level("INFO", logger="agentruns"):
+        retried = engine.retry(run.id)
     assert retried.status is RunStatus.QUEUED and retried.error is None
+    # The failure it clears is said where an operator looks.
+    said = f"run {run.id} queued again after it failed (model_error: overloaded_error: Overl"
+    assert said in caplog.text
     assert retried.finished_at is None
     assert engine.scheduler.scheduled == [run.id]  # type: ignore[attr-defined]
     done = engine.execute(run.id)

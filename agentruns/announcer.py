@@ -46,20 +46,28 @@ class Announcer:
         self._threads = 0
         self._closed = False
 
-    def ask(self, run: Run) -> None:
-        """Announce ``run``'s wait point soon, unless that is asked for already."""
+    def ask(self, run: Run) -> str | None:
+        """Announce ``run``'s wait point soon, unless that is asked for already; the
+        wait point's token id (for ``wait_for``)."""
         wait = run.waiting
         if wait is None:
-            return
+            return None
         with self._lock:
             if self._closed or wait.token_id in self._due or wait.token_id in self._taken:
-                return
+                return wait.token_id
             self._due[wait.token_id] = run
             if self._threads < min(self._most, len(self._due) + len(self._taken)):
                 self._threads += 1
                 threading.Thread(target=self._serve, name="agentruns-notify", daemon=True).start()
             else:
                 self._changed.notify_all()
+            return wait.token_id
+
+    def wait_for(self, token_ids: set[str]) -> None:
+        """Return once no call for these wait points is asked for or under way."""
+        with self._lock:
+            while token_ids & (self._due.keys() | self._taken):
+                self._changed.wait()
 
     def busy(self) -> bool:
         """Whether a call is asked for or under way."""
@@ -67,20 +75,24 @@ class Announcer:
             return bool(self._due or self._taken)
 
     def close(self, timeout: float) -> None:
-        """Take no more; drop what is not under way (``tick`` asks for it again, on any
-        engine, since it is not marked announced); wait ``timeout`` at most for the rest."""
+        """Take no more, and make what is asked for, ``timeout`` seconds at most; then
+        drop what is left in line and leave what is under way (``tick`` asks for it
+        again, on any engine, since it is not marked announced)."""
         deadline = time.monotonic() + timeout
         with self._lock:
             self._closed = True
-            self._due.clear()
-            self._changed.notify_all()
-            while self._taken and self._changed.wait(max(0.0, deadline - time.monotonic())):
+            while (self._due or self._taken) and self._changed.wait(
+                max(0.0, deadline - time.monotonic())
+            ):
                 pass
-            if self._taken:
+            if self._due or self._taken:
                 log.warning(
-                    "%d notifier call(s) still under way at close: left to end on their own",
+                    "%d notifier call(s) left at close (%d under way): a tick calls them again",
+                    len(self._due) + len(self._taken),
                     len(self._taken),
                 )
+            self._due.clear()
+            self._changed.notify_all()
 
     def _serve(self) -> None:
         while True:

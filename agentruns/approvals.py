@@ -77,11 +77,18 @@ class Approvals:
         self._seen_lock = threading.Lock()
         self._announcer = Announcer(self._notify_inside, engine.report)
 
-    def announce(self, run: Run) -> None:
-        """Call the notifier of the run's wait point soon, on a thread of the engine's."""
+    def announce(self, run: Run, wait: bool) -> None:
+        """Call the notifier of the run's wait point soon, on a thread of the engine's
+        (``wait``: before this returns)."""
+        asked = self._ask(run)
+        if wait and asked is not None:
+            self._announcer.wait_for({asked})
+
+    def _ask(self, run: Run) -> str | None:
         agent = self.engine.agents.get(run.agent)
-        if agent is not None and agent.notifier is not None:
-            self._announcer.ask(run)
+        if agent is None or agent.notifier is None:
+            return None
+        return self._announcer.ask(run)
 
     def busy(self) -> bool:
         """Whether a notifier call is asked for or under way."""
@@ -163,8 +170,9 @@ class Approvals:
             raise AgentrunsError(f"run {run.id} is {run.status.value}, not waiting on an approval")
         return tokens.mint(self.engine.secret, run.id, run.waiting)
 
-    def tick(self) -> None:
-        """Deny approvals past their expiry; re-send notifications that did not go through.
+    def tick(self, wait: bool) -> None:
+        """Deny approvals past their expiry; re-send notifications that did not go through
+        (``wait``: before this returns).
 
         A wait point is read in full (its tool's input with it) only when there may
         be something to do: the first time this engine meets it, once it expires,
@@ -181,6 +189,7 @@ class Approvals:
             }
         known = [(ref, seen.get(ref.token_id or "")) for ref in waiting]
         to_read = [ref.run_id for ref, seen_of in known if self._may_be_due(ref, seen_of, now)]
+        asked: set[str] = set()
         for start in range(0, len(to_read), _READ_AT_ONCE):
             try:
                 runs = engine.store.get_runs(to_read[start : start + _READ_AT_ONCE])
@@ -188,7 +197,11 @@ class Approvals:
                 engine.report(exc)
                 continue
             for run in runs:
-                self._tick_one(run, now)
+                token_id = self._tick_one(run, now)
+                if token_id is not None:
+                    asked.add(token_id)
+        if wait:
+            self._announcer.wait_for(asked)
 
     def _may_be_due(self, ref: WaitRef, known: _Seen | None, now: datetime) -> bool:
         """Might tick have something to do for the run? Not if what it read of its wait
@@ -198,12 +211,12 @@ class Approvals:
         agent = self.engine.agents.get(ref.agent)
         return not known.notified and agent is not None and agent.notifier is not None
 
-    def _tick_one(self, run: Run, now: datetime) -> None:
+    def _tick_one(self, run: Run, now: datetime) -> str | None:
         """Expire or announce one waiting run, read in full; its trouble is reported,
-        and holds up no other run."""
+        and holds up no other run. The token id of a wait point it asked to announce."""
         wait = run.waiting
         if run.status is not RunStatus.WAITING or wait is None:
-            return  # answered meanwhile, or a wait point damaged by hand
+            return None  # answered meanwhile, or a wait point damaged by hand
         with self._seen_lock:
             self._seen[wait.token_id] = _Seen(wait.expires_at, wait.notified_at is not None)
         try:
@@ -212,9 +225,10 @@ class Approvals:
                 with contextlib.suppress(InvalidTokenError):
                     self._answer(run, approved=False, reason="approval expired")
             elif wait.notified_at is None:
-                self.announce(run)
+                return self._ask(run)
         except Exception as exc:
             self.engine.report(exc)
+        return None
 
     def notify(self, run: Run) -> None:
         """Call the agent's notifier for the run's wait point; mark it notified if it returns."""

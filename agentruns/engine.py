@@ -15,6 +15,7 @@ import uuid
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
+from functools import partial
 from typing import TYPE_CHECKING, Any, Literal, Unpack, overload
 
 from agentruns import intake
@@ -116,7 +117,8 @@ class Engine:
         self._draining = False
         self._closed = False
         self._shut = False  # close() has returned: nothing more may start
-        self.scheduler.bind(self.execute, slots)
+        # The scheduler's threads do not wait for notifiers: idle() does.
+        self.scheduler.bind(partial(self.execute, wait_for_notifiers=False), slots)
         self._unsubscribe_aborts = self.leases.on_abort_request(self._abort_requested)
         self._closers: list[Callable[[], None]] = []
         self._approvals = Approvals(self)
@@ -190,9 +192,11 @@ class Engine:
         concurrency_key: str | None = None,
         thread: str | None = None,
         budget: Budget | dict[str, Any] | None = None,
+        wait_for_notifiers: bool = True,
     ) -> Run:
         """Store a run and execute it in this process, now (what a Celery worker's
         dispatch task does): one message per run instead of a dispatch and an execute.
+        ``wait_for_notifiers`` as for ``execute``.
 
         A run no concurrency key holds back is stored already claimed, in one
         write. Any other run (one with a key, a duplicate, or one that found no
@@ -204,10 +208,11 @@ class Engine:
         new = intake.new_run(
             self._agents, agent, trigger, idempotency_key, concurrency_key, thread, budget
         )
+        wait = wait_for_notifiers and not self._inside_a_call()
         with self._calling():
-            return self._dispatch_here(new)
+            return self._dispatch_here(new, wait)
 
-    def _dispatch_here(self, new: NewRun) -> Run:
+    def _dispatch_here(self, new: NewRun, wait: bool) -> Run:
         nested = self._inside_execution()
         if new.concurrency_key is None and (nested or self._slots.acquire(timeout=_SLOT_WAIT_S)):
             run: Run | None = None
@@ -220,11 +225,11 @@ class Engine:
                 if not nested:
                     self._slots.release()
             if run is not None:
-                self._after_run(run)
+                self._after_run(run, wait)
                 return run
         run = self._store_queued(new)
         if run.status is RunStatus.QUEUED and not self._draining:
-            return self.execute(run.id)
+            return self.execute(run.id, wait_for_notifiers=wait)
         return run
 
     def _create_claimed(self, new: NewRun) -> tuple[Claimed, float] | None:
@@ -249,11 +254,17 @@ class Engine:
 
     # -- executing -------------------------------------------------------------------
 
-    def execute(self, run_id: str) -> Run:
-        """One execution of a queued run; does nothing if another engine has it."""
+    def execute(self, run_id: str, *, wait_for_notifiers: bool = True) -> Run:
+        """One execution of a queued run; does nothing if another engine has it.
+
+        The notifier of a run that paused is called on a thread of the engine's own,
+        after the run's lease and slot are let go; this returns once it has, unless
+        not ``wait_for_notifiers`` (a worker's task: a slow webhook then holds none of
+        its pool's threads) or it is called from inside a call of this engine."""
         # No read first: the claim is the check (a run that is not queued, or not
         # there, costs a lease round trip and a claim that matches nothing).
         run_id = intake.run_id(run_id)
+        wait = wait_for_notifiers and not self._inside_a_call()
         with self._calling(new_work=False):
             # One called from inside an execution (a listener's, a tool's) runs on that
             # execution's thread and slot: waiting for a slot of its own could wait for
@@ -269,8 +280,13 @@ class Engine:
                 if not nested:
                     self._slots.release()
             if ran:
-                self._after_run(run)
+                self._after_run(run, wait)
             return run
+
+    def _inside_a_call(self) -> bool:
+        """Is this thread inside a call of this engine's (a tool, listener or notifier
+        of its)? Waiting there for a notifier could wait for a thread it holds."""
+        return getattr(self._local, "calls", 0) > 0
 
     def _inside_execution(self) -> bool:
         """Is this thread inside one of this engine's executions (a tool, a listener)?"""
@@ -423,7 +439,7 @@ class Engine:
         except Exception as exc:
             self.report(exc)  # the loss is counted: at worst the run waits a little
 
-    def _after_run(self, run: Run) -> None:
+    def _after_run(self, run: Run, wait: bool) -> None:
         """What follows an execution, once its slot is free for another: announcing
         its wait (a notifier may take long), scheduling its key's next run."""
         if run.status is RunStatus.FAILED and run.error is not None:
@@ -435,19 +451,20 @@ class Engine:
         if key is not None and run.status not in (RunStatus.RUNNING, RunStatus.INTERRUPTED):
             self._schedule_next(key)
         if run.status in (RunStatus.WAITING, RunStatus.FAILED):
-            self._look_again(run.id)
+            self._look_again(run.id, wait)
 
-    def _look_again(self, run_id: str) -> None:
+    def _look_again(self, run_id: str, wait: bool) -> None:
         """After a run paused or failed and its lease is let go. An answer or a retry
         (a listener's, or a quick person's) that came while this engine still held the
         lease scheduled an execution that found the lease held and did nothing: a run
-        queued again is scheduled again. One still waiting has its wait announced."""
+        queued again is scheduled again. One still waiting has its wait announced
+        (``wait``: before this returns)."""
         try:
             current = self.store.get_run(run_id)
             if current.status is RunStatus.QUEUED:
                 self.scheduler.schedule(run_id)
             elif current.status is RunStatus.WAITING:
-                self._approvals.announce(current)
+                self._approvals.announce(current, wait)
         except Exception as exc:
             self.report(exc)
 
@@ -596,10 +613,14 @@ class Engine:
             " started since, from the thread's runs before it; dispatch to the thread again"
         )
 
-    def tick(self) -> None:
-        """Deny approvals past their expiry; re-send notifications that did not go through."""
+    def tick(self, *, wait_for_notifiers: bool = True) -> None:
+        """Deny approvals past their expiry; re-send notifications that did not go
+        through (on the engine's own threads: returns once they are made, unless not
+        ``wait_for_notifiers``, as beat's ``tick`` task does: a webhook that hangs
+        then holds no worker thread, nor piles ticks up)."""
+        wait = wait_for_notifiers and not self._inside_a_call()
         with self._calling():
-            self._approvals.tick()
+            self._approvals.tick(wait)
 
     def recover(self) -> list[str]:
         """Requeue interrupted runs, runs whose owner died, and queued runs whose nudge

@@ -333,7 +333,8 @@ def dispatch(
         if shutting_down():
             run = engine.dispatch(agent, trigger, **kwargs, schedule=False)
         else:
-            run = engine.dispatch_here(agent, trigger, **kwargs)
+            # The notifier of a run that pauses holds none of the pool's threads.
+            run = engine.dispatch_here(agent, trigger, **kwargs, wait_for_notifiers=False)
         if run.status is RunStatus.QUEUED:
             engine.scheduler.schedule(run.id)
     return run.id
@@ -364,7 +365,7 @@ def execute(self: Any, run_id: str) -> dict[str, Any]:
         # Give the message back for a worker that stays, instead of acking a no-op.
         raise Reject("the worker is shutting down", requeue=True)
     with _outage_in_one_line(f"execute of run {run_id} could not run (recover runs it)"):
-        run = _engine_or_give_back().execute(run_id)
+        run = _engine_or_give_back().execute(run_id, wait_for_notifiers=False)
     if run.status is RunStatus.QUEUED and shutting_down():
         raise Reject("the worker is shutting down", requeue=True)
     return _summary(run)
@@ -399,7 +400,8 @@ def retry(self: Any, run_id: str, budget: dict[str, Any] | None = None) -> dict[
 def tick(self: Any) -> None:
     """Expire approvals past their time; re-send notifications that did not go through."""
     with _outage_in_one_line("tick could not sweep"):
-        _engine_or_give_back().tick()
+        # A webhook that hangs holds no pool thread, and ticks do not pile up on it.
+        _engine_or_give_back().tick(wait_for_notifiers=False)
 
 
 @_task("agentruns.recover", throws=_OUTAGE_THROWS)

@@ -236,12 +236,18 @@ def _drain_pool() -> None:
 def _on_shutdown(**_: Any) -> None:
     global _engine
     with _engine_lock:
-        engine, _engine = _engine, None
+        engine = _engine
     if engine is not None:
+        # Closed while it is still this process's: a notifier that close() waits for
+        # and that answers through get_engine() reaches it, not a new engine built
+        # then and never closed.
         try:
             engine.close()
         except Exception:
             log.exception("agentruns: closing the engine failed")
+    with _engine_lock:
+        if _engine is engine:
+            _engine = None
 
 
 signals.worker_ready.connect(_on_worker_ready)

@@ -521,6 +521,46 @@ def test_close_waits_for_a_tick_in_progress_and_idle_counts_it(
     assert later.get_run(run.id).status is RunStatus.COMPLETED
 
 
+def test_execute_returns_once_the_notifier_of_the_run_it_paused_returned(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    # The notifier runs on a thread of the engine's own (a worker's task does not wait
+    # for it); execute() called directly still returns after it, as it did.
+    delivered: list[str] = []
+
+    def notifier(run: Run, wait: WaitPoint, token: str) -> None:
+        time.sleep(0.3)
+        delivered.append(token)
+
+    agent, _ = comment_agent(calls, notifier=notifier)
+    engine = make_engine([agent], scheduler=ManualScheduler())
+    run = engine.dispatch("triage", trigger({}), schedule=False)
+    assert engine.execute(run.id).status is RunStatus.WAITING
+    assert len(delivered) == 1
+    waiting = engine.get_run(run.id).waiting
+    assert waiting is not None and waiting.notified_at is not None
+    # A worker's task does not wait; idle() does.
+    second = engine.dispatch("triage", trigger({"n": 2}), schedule=False)
+    assert engine.execute(second.id, wait_for_notifiers=False).status is RunStatus.WAITING
+    assert len(delivered) == 1
+    assert engine.idle(10) and len(delivered) == 2
+
+
+def test_close_makes_the_notifier_calls_asked_for_before_it(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    # close() dropped a call asked for that no thread had taken yet (about 1 in 300):
+    # it waited for a tick, of whichever engine, to be made.
+    delivered: list[str] = []
+    agent, _ = comment_agent(calls, notifier=lambda run, wait, token: delivered.append(run.id))
+    for n in range(20):
+        engine = make_engine([agent], scheduler=ManualScheduler())
+        run = engine.dispatch("triage", trigger({"n": n}), schedule=False)
+        engine.execute(run.id, wait_for_notifiers=False)
+        engine.close()
+        assert delivered[-1:] == [run.id]
+
+
 def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(
     make_engine: EngineFactory, calls: Calls, errors: Errors
 ) -> None:
@@ -538,9 +578,9 @@ def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(
     other = make_engine([agent])
     run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
     assert len(attempts) == 1 and engine.get_run(run.id).waiting.notified_at is None  # type: ignore[union-attr]
+    # Each tick does its work before it returns (SPEC), on threads of the engine's own.
     for ticking, tried, done in ((engine, 2, 0), (other, 3, 1), (engine, 3, 1), (other, 3, 1)):
-        ticking.tick()  # its notifier calls are on threads of its own
-        assert ticking.idle(10)
+        ticking.tick()
         assert (len(attempts), len(delivered)) == (tried, done)
     waiting = engine.get_run(run.id)
     assert waiting.status is RunStatus.WAITING

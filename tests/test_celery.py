@@ -174,6 +174,7 @@ def engine(make_engine: EngineFactory, celery_app: Any) -> Engine:
             celery_agents.reporter,
             celery_agents.waiter,
             celery_agents.asker,
+            celery_agents.self_approver,
         ],
         scheduler=CeleryScheduler(celery_app),
         leases=RedisLeases(REDIS_URL),
@@ -623,6 +624,23 @@ def test_a_hanging_notifier_holds_back_no_other_run_in_a_worker(
         wait_for(lambda r=run: engine.get_run(r.id).waiting.notified_at, "the notifications")  # type: ignore[union-attr]
     time.sleep(1.5)  # ticks every second: none calls a notifier again
     assert len(cluster.tool_calls("notifying")) == len(cluster.tool_calls("notified")) == 3
+
+
+def test_a_notifier_a_stopping_worker_waits_for_answers_through_its_engine(
+    cluster: Cluster, engine: Engine
+) -> None:
+    # The worker let go of its engine, then closed it, waiting for the notifier: the
+    # notifier's get_engine() built a second engine, never drained nor closed.
+    (worker,) = cluster.workers("w1")
+    run = engine.dispatch("self_approver", trigger({}))
+    wait_for(lambda: cluster.tool_calls("notifying", run.id) or None, "the notifier")
+    worker.popen.send_signal(signal.SIGTERM)
+    time.sleep(2)  # into its shutdown, waiting for the notifier
+    Path(f"{cluster.tool_log}.release").touch()
+    assert worker.popen.wait(timeout=20) == 0
+    assert worker.output().count("agentruns engine") == 1, worker.output()[-3000:]
+    answered = engine.get_run(run.id)
+    assert answered.status is RunStatus.QUEUED and answered.waiting is None
 
 
 def test_a_tool_imports_from_the_working_directory_as_it_runs_in_a_worker(

@@ -123,3 +123,20 @@ asker = Agent(
     tools=[publish],
     notifier=slow_notifier,
 )
+
+
+def approving_notifier(run: Any, wait: Any, token: str) -> None:
+    """A notifier that answers the approval itself through the worker's engine, once
+    the test lets it go (as ``slow_notifier``)."""
+    from agentruns.worker import get_engine
+
+    slow_notifier(run, wait, token)
+    get_engine().resume(token, approved=True, reason="approved by the notifier")
+
+
+self_approver = Agent(
+    "self_approver",
+    ScriptedModel([tool_use("publish", {"text": "news"}), text("Published.")]),
+    tools=[publish],
+    notifier=approving_notifier,
+)

@@ -443,9 +443,12 @@ def test_an_embedded_dispatch_whose_writes_lose_the_database_fails_in_one_line(
 def test_tick_says_when_a_notifier_fails(cli: Cli, monkeypatch: pytest.MonkeyPatch) -> None:
     # The notifier's failure is not the command's: the run waits, and tick retries.
     monkeypatch.setenv("AGENTRUNS_AGENTS", "tests.support.agents")
-    run = cli.json("dispatch", "pager", "--payload", "{}")["run"]
-    assert run["status"] == "waiting"
+    code, out, err = cli("--json", "dispatch", "pager", "--payload", "{}")
+    run = json.loads(out)["run"]
+    assert code == 0 and run["status"] == "waiting"
     failed = f"the notifier of run {run['id']} failed: ConnectionRefusedError: the pager is down"
+    # The dispatch said nothing of it: the person it was to page never heard.
+    assert err == f"agentruns: WARNING: {failed} (`agentruns tick` calls it again)\n"
     result = cli.json("tick")
     assert result["errors"] == [failed] and result["notified"] == []
     code, out, _ = cli("tick")

@@ -196,7 +196,7 @@ def cmd_tick(session: Session, args: argparse.Namespace) -> int:
     session.follow()
     engine.tick()
     session.raise_reported()
-    session.settle()
+    session.settle(warn_notifiers=False)  # said below
     after = {r.id: r for r in engine.list_runs(status=RunStatus.WAITING, limit=100_000)}
     expired = [r.id for r in before if r.waiting and r.waiting.expires_at <= now]
     expired = [run_id for run_id in expired if run_id not in after]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import sys
 import threading
 import warnings
@@ -13,13 +14,15 @@ from agentruns.agent import Agent
 from agentruns.cli import render
 from agentruns.cli.errors import CliError
 from agentruns.engine import Engine
-from agentruns.errors import AgentrunsError, first_line
+from agentruns.errors import AgentrunsError, NotifierError, first_line
 from agentruns.events import Event
 from agentruns.leases import LocalLeases
 from agentruns.schedulers import LocalScheduler
 from agentruns.settings import Settings, is_redis_url
 from agentruns.store.connect import is_sqlite_memory, missing_sqlite_file, shown_url
 from agentruns.wiring import engine_from_settings, load_agents
+
+log = logging.getLogger("agentruns")
 
 
 class Session:
@@ -29,6 +32,7 @@ class Session:
         self._settings: Settings | None = None
         self._engine: Engine | None = None
         self.reported: list[Exception] = []
+        self._said: list[Exception] = []  # of those reported: warned of
         self.shown: dict[str, str] = {}  # run id -> the status last printed by follow()
         self._print_lock = threading.Lock()
 
@@ -157,12 +161,18 @@ class Session:
         engine.on("step.appended", on_step)
         engine.on("run.updated", on_run)
 
-    def settle(self) -> None:
+    def settle(self, *, warn_notifiers: bool = True) -> None:
         """Wait for the executions this process started (embedded mode) to finish or
-        pause; one the database or Redis stopped is this command's failure."""
+        pause; one the database or Redis stopped is this command's failure, and a
+        notifier that failed is warned of (unless the command says so itself)."""
         if self._engine is not None:
             self._engine.idle()
         self.raise_reported()
+        for exc in self.reported if warn_notifiers else ():
+            if isinstance(exc, NotifierError) and exc not in self._said:
+                # Else silent: the run waits, nobody told, and the command says nothing.
+                self._said.append(exc)
+                log.warning("%s (`agentruns tick` calls it again)", first_line(exc, typed=False))
 
     def raise_reported(self) -> None:
         """An infrastructure failure an engine swallowed and reported is this command's failure."""

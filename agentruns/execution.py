@@ -308,7 +308,10 @@ class Execution:
                 RunStatus.FAILED,
                 error=RunError(
                     code="step_budget_exceeded",
-                    message=f"the run used all {budget.max_steps} model steps",
+                    message=f"the run used all {budget.max_steps} model steps"
+                    if self.run.steps_used == budget.max_steps
+                    else f"the run used {self.run.steps_used} model steps, over its"
+                    f" {budget.max_steps} (a retry's budget below its use)",
                 ),
             )
         if budget.max_tokens is not None and self.run.usage.total_tokens >= budget.max_tokens:

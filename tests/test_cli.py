@@ -278,6 +278,7 @@ def test_without_a_secret_a_waiting_run_is_answered_by_its_id_not_a_token(
 def test_cancel_cancels_a_waiting_run_and_leaves_a_final_one(cli: Cli) -> None:
     run_id, token = cli.waiting_run()
     assert cli.json("cancel", run_id)["run"]["status"] == "cancelled"
+    assert "status    cancelled\n" in cli("show", run_id)[1]  # not "(cancel requested)"
     code, out, _ = cli("cancel", run_id)
     # Unchanged, and said so: "run … cancelled" alone read as if this cancel had acted.
     assert code == 0 and "it was already cancelled: a final run stays as it is" in out

@@ -386,6 +386,14 @@ def test_a_retrys_budget_replaces_limits_of_the_agents_budget_for_a_run_without_
     engine = make_any_engine([agent], scheduler=ManualScheduler())
     run = engine.dispatch("a", trigger({}), schedule=False)
     assert engine.execute(run.id).status is RunStatus.FAILED
+    engine.retry(run.id, budget=Budget(max_steps=2))
+    assert engine.execute(run.id).steps_used == 2
+    # A retry's limit below the run's use: it said "used all 1 model steps" of 2.
+    engine.retry(run.id, budget=Budget(max_steps=1))
+    failed = engine.execute(run.id)
+    assert failed.error is not None and failed.error.message == (
+        "the run used 2 model steps, over its 1 (a retry's budget below its use)"
+    )
     retried = engine.retry(run.id, budget=Budget(max_steps=3))
     assert retried.budget == Budget(max_steps=3, max_tokens=10_000)
     assert engine.execute(run.id).status is RunStatus.COMPLETED

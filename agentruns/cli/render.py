@@ -152,7 +152,8 @@ def header(run: Run, losses: int = 0, held_until: datetime | None = None) -> str
     lines = [
         f"run       {run.id}",
         f"agent     {run.agent}",
-        f"status    {run.status.value}{'  (cancel requested)' if run.cancel_requested else ''}",
+        f"status    {run.status.value}"
+        + ("  (cancel requested)" if run.cancel_requested and not run.status.is_final else ""),
         f"trigger   {trigger.source} / {trigger.trigger}{f'  keys: {keys}' if keys else ''}",
         f"payload   {short(trigger.payload, 80)}",
         f"created   {clock(run.created_at, date=True)}   "

@@ -972,6 +972,36 @@ def test_dispatch_and_retry_take_a_budget(cli: Cli) -> None:
     assert retried["budget"] == {"max_steps": 5, "max_tokens": 200_000, "timeout_s": 300.0}
 
 
+def test_show_of_a_failed_run_its_thread_went_on_without_does_not_suggest_retry(
+    cli: Cli,
+) -> None:
+    # It suggested `agentruns retry RUN`, which then refused the run.
+    class FailsSecond(ScriptedModel):
+        def complete(self, request: Any, signal: threading.Event) -> Any:
+            if "second" in str(request.messages[-1]):
+                raise ModelError("overloaded_error: Overloaded (529), 4 retries")
+            return super().complete(request, signal)
+
+    engine = Engine(
+        SqlStore(cli.url),
+        scheduler=ManualScheduler(),
+        agents=[Agent("a", FailsSecond([text("ok")]))],
+        secret="s",
+    )
+    runs = [
+        engine.dispatch(
+            "a", {"source": "t", "trigger": "t", "payload": w}, thread="T", schedule=False
+        )
+        for w in ("second", "third")
+    ]
+    for run in runs:
+        engine.execute(run.id)
+    engine.close()
+    code, out, _ = cli("show", runs[0].id)
+    assert code == 0 and "agentruns retry" not in out
+    assert f"not retried: run {runs[1].id} of its thread went on without it" in out
+
+
 def test_show_counts_the_tokens_read_from_and_written_to_the_cache(cli: Cli) -> None:
     # `show` gave "20 in / 10 out" for a run that had used 1,030 tokens (cache reads
     # are most of a real run's input), beside its token budget's "used 1030".

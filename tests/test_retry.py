@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pickle
 import threading
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -292,6 +293,24 @@ def test_a_run_of_a_thread_is_retried_only_while_no_later_run_of_it_has_started(
     with pytest.raises(NotRetryableError, match=f"run {fifth.id} of its thread 't' has started"):
         engine.retry(fourth.id)
     assert engine.get_run(fourth.id).status is RunStatus.FAILED
+
+
+def test_a_run_of_a_thread_stored_late_that_started_after_it_holds_its_retry_back(
+    make_any_engine: EngineFactory,
+) -> None:
+    # A run whose write waited on a lock is created before a run stored after it, and
+    # starts after it: the failed run's retry was let through, and the thread forked
+    # (the next run's history skipped the late run).
+    engine, _, second, third = _thread_of_three(make_any_engine)
+    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(
+            schema.runs.update()
+            .where(schema.runs.c.id == third.id)
+            .values(created_at=second.created_at - timedelta(seconds=1))
+        )
+    assert engine.execute(third.id).status is RunStatus.COMPLETED
+    with pytest.raises(NotRetryableError, match=f"run {third.id} of its thread 't' has started"):
+        engine.retry(second.id)
 
 
 def test_a_retry_that_raced_a_later_run_of_its_thread_does_not_fork_the_thread(

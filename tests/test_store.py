@@ -5,10 +5,12 @@ from __future__ import annotations
 import gc
 import os
 import re
+import sqlite3
 import threading
+import time
 import weakref
 from collections.abc import Callable
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 import psycopg
 import pytest
@@ -1036,4 +1038,32 @@ def test_a_failed_statement_shows_no_parameters(
     with pytest.raises(sa.exc.OperationalError) as failed_write:
         store.create_run(replace(new_run(), trigger=secret))
     assert "PAYLOADMARK" not in str(failed_write.value)
+    store.close()
+
+
+def test_a_sqlite_run_created_while_another_holds_the_write_lock_is_timed_at_its_write(
+    sqlite_url: str,
+) -> None:
+    # Its creation time was taken before the wait for SQLite's write lock: a run stored
+    # after another could read as created before it, and a thread's line, which goes
+    # by creation time, ran them out of order (a retry could then fork the thread).
+    store = SqlStore(sqlite_url)
+    path = sa.make_url(sqlite_url).database or ""
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    released: list[datetime] = []
+
+    def release() -> None:
+        time.sleep(0.6)
+        released.append(utcnow())
+        holder.execute("COMMIT")
+
+    releaser = threading.Thread(target=release)
+    releaser.start()
+    run, created = store.create_run(new_run())
+    releaser.join()
+    holder.close()
+    assert created and run.created_at >= released[0]
+    claimed = store.claim(run.id, "me", soon())
+    assert claimed is not None and claimed.run.started_at is not None
     store.close()

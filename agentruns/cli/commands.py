@@ -89,7 +89,9 @@ def cmd_show(session: Session, args: argparse.Namespace) -> int:
     losses, hold = engine.hold(run.id) if unsettled else (0, None)
     if hold is not None and _given_up(session, engine, run.id):
         hold = None  # let go by a live worker: recover requeues it at once
-    session.say(render.header(run, losses, hold))
+    failed_in_thread = run.status is RunStatus.FAILED and run.thread is not None
+    went_on = engine.store.thread_went_on(run.id) if failed_in_thread else None
+    session.say(render.header(run, losses, hold, went_on))
     session.say()
     session.say(render.timeline(run, steps))
     return 0

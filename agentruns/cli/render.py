@@ -141,10 +141,16 @@ def run_line(run: Run) -> str:
     return plain(text)
 
 
-def header(run: Run, losses: int = 0, held_until: datetime | None = None) -> str:
+def header(
+    run: Run,
+    losses: int = 0,
+    held_until: datetime | None = None,
+    went_on: str | None = None,
+) -> str:
     """The run's fields, one a line; ``losses``: its executions lost with their
-    workers in a row at its step (``Store.losses``), and ``held_until``: when recover
-    may requeue it, lost again (``Engine.hold``)."""
+    workers in a row at its step (``Store.losses``), ``held_until``: when recover
+    may requeue it, lost again (``Engine.hold``), and ``went_on``: the run of its
+    thread that went on without it, failed (which a retry is refused for)."""
     end = run.finished_at or utcnow()
     age = duration((end - run.created_at).total_seconds())
     trigger = run.trigger
@@ -188,7 +194,12 @@ def header(run: Run, losses: int = 0, held_until: datetime | None = None) -> str
         lines.append(f"output    {short(run.output, 100)}")
     if run.error is not None:
         lines.append(f"error     {run.error.code}: {run.error.message}")
-    if run.status is RunStatus.FAILED:
+    if run.status is RunStatus.FAILED and went_on is not None:
+        lines.append(
+            f"          not retried: run {went_on} of its thread went on without it;"
+            " dispatch to the thread again"
+        )
+    elif run.status is RunStatus.FAILED:
         lines.append(
             f"          retry: agentruns retry {run.id}{_raised(run)}  (from its latest checkpoint)"
         )

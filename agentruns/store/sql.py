@@ -92,14 +92,19 @@ _REFS = sa.select(
 
 
 def _started_after(run: Any) -> Any:
-    """The runs of ``run``'s thread created after it that have started, oldest first
-    (a run of a thread starts from the thread's completed runs as they then are)."""
+    """The runs of ``run``'s thread created after it that have started, and those that
+    started after it did, oldest first (a run of a thread starts from the thread's
+    completed runs as they then are). The second are runs stored late: created
+    before it, committed after it had started (a write that waited on a lock)."""
     later = R.alias("later")
     return (
         sa.select(later.c.id)
         .where(
             later.c.thread == run.c.thread,
-            sa.tuple_(later.c.created_at, later.c.id) > sa.tuple_(run.c.created_at, run.c.id),
+            sa.or_(
+                sa.tuple_(later.c.created_at, later.c.id) > sa.tuple_(run.c.created_at, run.c.id),
+                later.c.started_at > run.c.started_at,
+            ),
             later.c.started_at.is_not(None),  # claimed once (not one cancelled queued)
         )
         .order_by(later.c.created_at, later.c.id)

@@ -15,7 +15,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.exc import IntegrityError
 
-from agentruns.runs import RunStatus
+from agentruns.runs import RunStatus, utcnow
 from agentruns.store import history, schema
 from agentruns.store.base import _UNSET, Commit, Guard, NewRun
 from agentruns.store.queries import in_turn
@@ -36,10 +36,12 @@ class Transactions:
     ) -> dict[str, Any] | None:
         """The new run's row (queued, or running under ``claim``: owner and expiry), or
         None if its idempotency key is taken."""
-        insert = sqlite_insert(R).values(**new.columns(now, claim))
-        if new.idempotency_key is not None:
-            insert = insert.on_conflict_do_nothing(index_elements=["idempotency_key"])
         with self.engine.begin() as conn:
+            # The time once the write lock is held: a thread's runs go in the order
+            # of their creation times, which must be the order they were stored in.
+            insert = sqlite_insert(R).values(**new.columns(_locked(now), claim))
+            if new.idempotency_key is not None:
+                insert = insert.on_conflict_do_nothing(index_elements=["idempotency_key"])
             row = conn.execute(insert.returning(*R.c)).mappings().first()
         return dict(row) if row is not None else None
 
@@ -49,7 +51,9 @@ class Transactions:
         """The claimed run's row with its stored ``messages``; None if it cannot be claimed."""
         try:
             with self.engine.begin() as conn:
-                row = conn.execute(_claim(run_id, owner, expires_at, now)).mappings().first()
+                row = (
+                    conn.execute(_claim(run_id, owner, expires_at, _locked(now))).mappings().first()
+                )
                 if row is None:
                     return None
                 try:
@@ -178,3 +182,10 @@ def _changes(commit: Commit, now: datetime) -> dict[str, Any]:
         values["claim_owner"] = None
         values["claim_expires_at"] = None
     return values
+
+
+def _locked(asked: datetime) -> datetime:
+    """The time of a write whose transaction holds SQLite's write lock (BEGIN
+    IMMEDIATE): taken before, it was as early as the wait for the lock was long, and
+    a run stored after another could read as created before it."""
+    return max(asked, utcnow())

@@ -236,14 +236,14 @@ def test_an_eager_task_runs_here_and_sends_nothing(
     ticked: list[bool] = []
 
     class Engine:
-        def tick(self) -> None:
-            ticked.append(True)
+        def tick(self, *, wait_for_notifiers: bool = True) -> None:
+            ticked.append(wait_for_notifiers)
 
     monkeypatch.setattr(tasks, "get_engine", Engine)
     monkeypatch.setitem(tasks.app.conf, "task_always_eager", True)
     trips = RoundTrips(monkeypatch)
     result = tasks.tick.delay()
-    assert result.successful() and ticked == [True]
+    assert result.successful() and ticked == [False]  # a task waits for no notifier
     assert trips.sent == [] and _queued_ids(queue) == []
 
 

@@ -224,7 +224,7 @@ def test_a_claim_whose_connection_breaks_before_the_server_has_it_is_sent_again(
     engine = through_proxy
     run = engine.dispatch("a", trigger({}))
     proxy.hold()  # the claim waits in the proxy and never reaches the server
-    breaks = threading.Timer(0.3, lambda: (proxy.cut(), proxy.restore()))
+    breaks = threading.Timer(0.3, proxy.drop)
     breaks.start()
     assert engine.execute(run.id).status is RunStatus.COMPLETED
     breaks.join()

@@ -80,6 +80,15 @@ class Proxy:
 
     def cut(self) -> None:
         self._open = False
+        self._break_all()
+
+    def drop(self) -> None:
+        """Break the connections there are, refusing no new one (a blip): unlike a cut
+        and a restore, a client that connects again at once is never refused."""
+        self._break_all()
+        self.restore()
+
+    def _break_all(self) -> None:
         with self._lock:
             sockets, self._sockets = self._sockets, []
         for s in sockets:

@@ -303,7 +303,7 @@ class Engine:
     def _not_inside_a_call(self, call: str) -> None:
         """``idle`` and ``close`` wait for every ``execute`` and ``dispatch_here`` in
         progress, with what follows them (the notifier): not from inside one."""
-        if getattr(self._local, "calls", 0) > 0:
+        if self._inside_a_call():
             raise RuntimeError(
                 f"{call} cannot be called from inside one of this engine's executions "
                 "(a tool, listener or notifier): it would wait for that execution, which "

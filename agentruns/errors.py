@@ -37,7 +37,8 @@ def problems(exc: ValidationError, whole: str) -> str:
     """pydantic's errors in one line: each field's message, ``whole`` naming the value
     itself (pydantic's own text runs over several lines, with a link each)."""
     return "; ".join(
-        f"{'.'.join(str(p) for p in e['loc']) or whole}: {e['msg']}" for e in exc.errors()
+        f"{'.'.join(str(p) for p in e['loc']) or whole}: {e['msg'].removeprefix('Value error, ')}"
+        for e in exc.errors()
     )
 
 

@@ -75,6 +75,14 @@ class Budget(_Model):
     # Finite: a budget is stored as JSON, which has no infinity.
     timeout_s: float | None = Field(default=None, gt=0, allow_inf_nan=False)
 
+    @field_validator("max_steps", "max_tokens", "timeout_s", mode="before")
+    @classmethod
+    def _not_a_bool(cls, value: Any) -> Any:
+        # pydantic takes True for 1 (`--budget '{"max_steps": true}'` was one step).
+        if isinstance(value, bool):
+            raise ValueError(f"a limit is a number, not {str(value).lower()}")
+        return value
+
 
 def json_problem(value: Any) -> str | None:
     """Why the store cannot keep ``value`` as JSON, or None: a NaN, a set, a lone

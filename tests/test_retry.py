@@ -430,6 +430,9 @@ def test_a_retry_with_a_budget_refused_changes_nothing(make_any_engine: EngineFa
     for bad in ({"max_steps": 0}, {"max_steps": "many"}, {"timeout_s": float("inf")}):
         with pytest.raises(InvalidTriggerError, match="invalid budget"):
             engine.retry(run.id, budget=bad)
+    # pydantic took True for 1: `--budget '{"max_steps": true}'` was a budget of one step.
+    with pytest.raises(InvalidTriggerError, match="max_steps: a limit is a number, not true"):
+        engine.retry(run.id, budget={"max_steps": True})
     assert engine.get_run(run.id) == failed
     assert engine.scheduler.scheduled == []  # type: ignore[attr-defined]
     # Queued already by another retry: this one's budget would not be applied, and

@@ -188,9 +188,8 @@ def test_a_migration_a_long_transaction_holds_up_gives_up_changing_nothing(
 ) -> None:
     # It waited as long as the transaction lasted, and every write to the table
     # queued behind it: a report query could stop a whole fleet.
+    left_by_an_earlier_release(empty_pg, "0001")
     engine = sa.create_engine(empty_pg)
-    with engine.begin() as conn:
-        upgrade_to(conn, "0001")
     with engine.connect() as reader:
         reader.execute(sa.text("SELECT count(*) FROM agentruns_runs"))  # holds its lock
         started = time.monotonic()
@@ -274,17 +273,19 @@ def test_migrations_after_the_first_add_no_column_a_running_release_would_not_ex
     # had prepared its claim with RETURNING r.*, and every claim of it then failed
     # ("cached plan must not change result type"), or committed and then failed to
     # read its row, its run left running under it.
-    engine = sa.create_engine(empty_pg)
-    with engine.begin() as conn:
-        upgrade_to(conn, "0002")
-        before = [c["name"] for c in sa.inspect(conn).get_columns("agentruns_runs")]
-    engine.dispose()
+    left_by_an_earlier_release(empty_pg, "0002")
+    before = _run_columns(empty_pg)
     migrate(empty_pg)
-    engine = sa.create_engine(empty_pg)
-    with engine.connect() as conn:
-        after = [c["name"] for c in sa.inspect(conn).get_columns("agentruns_runs")]
-    engine.dispose()
-    assert after == before
+    assert _run_columns(empty_pg) == before
+
+
+def _run_columns(url: str) -> list[str]:
+    engine = sa.create_engine(url)
+    try:
+        with engine.connect() as conn:
+            return [c["name"] for c in sa.inspect(conn).get_columns("agentruns_runs")]
+    finally:
+        engine.dispose()
 
 
 def test_a_later_release_adding_a_column_leaves_this_releases_running_writes_working(

@@ -19,7 +19,7 @@ from agentruns.events import Event
 from agentruns.leases import LocalLeases
 from agentruns.schedulers import LocalScheduler
 from agentruns.settings import Settings, is_redis_url
-from agentruns.store.connect import is_sqlite_memory, missing_sqlite_file, shown_url
+from agentruns.store.connect import is_sqlite_memory, shown_url
 from agentruns.wiring import engine_from_settings, load_agents
 
 log = logging.getLogger("agentruns")
@@ -74,7 +74,7 @@ class Session:
     def engine(self, *, read_only: bool = False) -> Engine:
         """The engine of ``AGENTRUNS_*``; ``read_only`` commands leave Redis out of it."""
         if self._engine is None:
-            self._check_sqlite_file()
+            self.refuse_sqlite_memory()  # a missing file: the store's schema check says so
             settings = self.settings
             overrides: dict[str, Any] = {}
             if read_only:  # reading runs needs neither Redis nor the agents' code
@@ -109,15 +109,6 @@ class Session:
                 f"{self.settings.database_url} is an in-memory database, gone when this"
                 " command ends: give the CLI a file, e.g. sqlite:///agentruns.db"
                 " (AGENTRUNS_DATABASE_URL)"
-            )
-
-    def _check_sqlite_file(self) -> None:
-        self.refuse_sqlite_memory()
-        # Opening a missing SQLite file would create an empty one; say what to do instead.
-        if missing_sqlite_file(self.settings.database_url) is not None:
-            raise CliError(
-                f"the database {self.settings.database_url} does not exist: "
-                "run `agentruns migrate` to create it (or set AGENTRUNS_DATABASE_URL)"
             )
 
     def _check_redis(self) -> None:

@@ -78,11 +78,9 @@ def missing_sqlite_file(url: str | sa.URL) -> str | None:
     """The file a SQLite URL names, if it does not exist (opening it would create it,
     empty); None for any other URL."""
     parsed = sa.make_url(url)
-    path = parsed.database
-    if parsed.drivername not in _SQLITE or not path or path == ":memory:":
-        return None
-    if parsed.query.get("uri"):  # file:…?mode=memory and the like: SQLite's to read
-        return None
+    if parsed.drivername not in _SQLITE or is_sqlite_memory(parsed) or parsed.query.get("uri"):
+        return None  # (a file: URI is SQLite's to read)
+    path = parsed.database or ""
     return None if os.path.exists(path) else path
 
 

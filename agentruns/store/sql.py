@@ -160,7 +160,7 @@ class SqlStore:
         if missing_sqlite_file(self.engine.url) is not None:  # not to create it, empty
             raise NotMigratedError(
                 f"the database {self._safe_url()} does not exist: run `agentruns migrate`"
-                " to create it"
+                " to create it (or check its URL)"
             )
         try:
             with self._reads.connect() as conn:

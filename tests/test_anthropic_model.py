@@ -563,6 +563,51 @@ def test_a_stream_whose_usage_leaves_a_count_out_counts_it_as_none(
     assert (response.usage.input_tokens, response.usage.output_tokens) == (0, 3)
 
 
+def _text_reply(usage: dict[str, Any], output_tokens: Any = 3) -> RawReply:
+    start = {**_START, "message": {**_START["message"], "content": [], "usage": usage}}
+    block = {
+        "type": "content_block_start",
+        "index": 0,
+        "content_block": {"type": "text", "text": ""},
+    }
+    stop = {"type": "content_block_stop", "index": 0}
+    end = {**_END[0], "usage": {"output_tokens": output_tokens}}
+    return events(start, block, _DELTA, stop, end, _END[1])
+
+
+@pytest.mark.parametrize(
+    ("usage", "output_tokens", "said"),
+    [
+        ({"input_tokens": 2.5}, 3, "usage.input_tokens is 2.5, not a count"),
+        ({"input_tokens": -4}, 3, "usage.input_tokens is -4, not a count"),
+        ({"input_tokens": "12"}, 3, "usage.input_tokens is '12', not a count"),
+        (
+            {"input_tokens": 1, "cache_read_input_tokens": [2]},
+            3,
+            "usage.cache_read_input_tokens is [2], not a count",
+        ),
+        ({"input_tokens": 1}, 1.5, "usage.output_tokens is 1.5, not a count"),
+    ],
+)
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the SDK's, as it builds the message
+def test_a_stream_whose_usage_holds_no_count_fails_as_malformed_in_one_line(
+    fake: FakeAnthropic, usage: dict[str, Any], output_tokens: Any, said: str
+) -> None:
+    # A float failed the run with pydantic's multi-line text; a negative count was
+    # taken and lowered the run's usage against its budget.
+    fake.push(_text_reply(usage, output_tokens), reply(text("never asked")))
+    with pytest.raises(ModelError) as err:
+        make_model(fake, max_retries=2).complete(request(), threading.Event())
+    assert len(fake.requests) == 1
+    assert str(err.value) == f"malformed model reply: {said}"
+
+
+def test_a_stream_whose_counts_are_whole_floats_counts_them(fake: FakeAnthropic) -> None:
+    fake.push(_text_reply({"input_tokens": 12.0}, 3.0))
+    response = make_model(fake).complete(request(), threading.Event())
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (12, 3)
+
+
 def test_unreachable_server_fails_with_a_connection_message_after_retries() -> None:
     with socket.socket() as probe:  # a port that was free a moment ago: nothing listens
         probe.bind(("127.0.0.1", 0))

@@ -319,14 +319,14 @@ def _content(message: Message) -> list[dict[str, Any]]:
 
 
 def _usage(message: Message) -> Usage:
-    # The SDK builds the message unchecked: a count a gateway leaves out is missing.
-    counts = {
-        name: getattr(message.usage, name, None) or 0
-        for name in (
-            "input_tokens",
-            "output_tokens",
-            "cache_creation_input_tokens",
-            "cache_read_input_tokens",
-        )
-    }
+    # The SDK builds the message unchecked: a count a gateway leaves out is missing,
+    # and one it sends may be any JSON.
+    counts: dict[str, int] = {}
+    for name in Usage.model_fields:
+        count = getattr(message.usage, name, None) or 0
+        if isinstance(count, float) and count.is_integer():
+            count = int(count)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ModelError(f"malformed model reply: usage.{name} is {count!r}, not a count")
+        counts[name] = count
     return Usage(**counts)

@@ -54,6 +54,8 @@ class Host(Protocol):
 
     def report(self, exc: Exception) -> None: ...
 
+    def cancel(self, run_id: str) -> Run: ...
+
 
 # Waiting runs read in full at a time (each holds its tool's input): one read,
 # not one per run, and a bounded amount of it in memory.
@@ -206,7 +208,7 @@ class Approvals:
     def _may_be_due(self, ref: WaitRef, known: _Seen | None, now: datetime) -> bool:
         """Might tick have something to do for the run? Not if what it read of its wait
         point says there is nothing before it expires: most of them."""
-        if known is None or known.expires_at <= now:
+        if known is None or known.expires_at <= now or ref.cancel_requested:
             return True
         agent = self.engine.agents.get(ref.agent)
         return not known.notified and agent is not None and agent.notifier is not None
@@ -217,6 +219,14 @@ class Approvals:
         wait = run.waiting
         if run.status is not RunStatus.WAITING or wait is None:
             return None  # answered meanwhile, or a wait point damaged by hand
+        if run.cancel_requested:
+            # Flagged as it paused, by a process that died before it cancelled the
+            # run (execution.py): nobody is asked to approve a cancelled run.
+            try:
+                self.engine.cancel(run.id)
+            except Exception as exc:
+                self.engine.report(exc)
+            return None
         with self._seen_lock:
             self._seen[wait.token_id] = _Seen(wait.expires_at, wait.notified_at is not None)
         try:
@@ -250,7 +260,7 @@ class Approvals:
             current = engine.store.get_run(run.id)
             if current.waiting is None or current.waiting.token_id != wait.token_id:
                 return
-            if current.waiting.notified_at is not None:
+            if current.waiting.notified_at is not None or current.cancel_requested:
                 return
             token = tokens.mint(engine.secret, run.id, wait)
             try:

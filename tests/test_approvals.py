@@ -604,6 +604,41 @@ def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
 
 
+@pytest.mark.parametrize("notified", [True, False])
+def test_tick_cancels_a_run_flagged_as_it_paused_by_a_process_that_died(
+    make_engine: EngineFactory, calls: Calls, notified: bool
+) -> None:
+    """A cancel flagged as the run paused cancels it once it waits (execution.py),
+    but the process that paused it died before it did: the run stayed waiting, its
+    notifier asked someone to approve it, and an approval ran its tool."""
+    attempts: list[str] = []
+
+    def notifier(run: Run, wait: WaitPoint, token: str) -> None:
+        attempts.append(run.id)
+        if not notified:
+            raise ConnectionError("chat is down")
+
+    agent, _ = comment_agent(calls, notifier=notifier)
+    engine = make_engine([agent])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    token = engine.approval_token(run.id)
+    engine.tick()  # it has read the wait point: nothing to do until it expires
+    assert len(attempts) == 1 + (not notified)
+    # What the dead process left: the run waiting, its cancel flagged.
+    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(
+            sa.text("UPDATE agentruns_runs SET cancel_requested = true WHERE id = :id"),
+            {"id": run.id},
+        )
+    engine.tick()
+    cancelled = engine.get_run(run.id)
+    assert cancelled.status is RunStatus.CANCELLED and cancelled.waiting is None
+    assert len(attempts) == 1 + (not notified)  # nobody asked again
+    with pytest.raises(InvalidTokenError):
+        engine.resume(token, approved=True)
+    assert calls == []
+
+
 def test_a_denied_call_still_lets_the_calls_after_it_run_in_order(
     make_engine: EngineFactory, calls: Calls
 ) -> None:

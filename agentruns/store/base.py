@@ -185,6 +185,7 @@ class WaitRef:
     run_id: str
     agent: str
     token_id: str | None  # its wait point's, which a new wait point changes
+    cancel_requested: bool = False  # flagged as it paused, by a process that died then
 
 
 @dataclass(frozen=True)

@@ -681,14 +681,17 @@ class SqlStore:
         """The waiting runs: ids, agents and token ids, never their wait points (a
         tick lists them every few seconds, and each holds its tool's input)."""
         query = (
-            sa.select(R.c.id, R.c.agent, R.c.waiting_token)
+            sa.select(R.c.id, R.c.agent, R.c.waiting_token, R.c.cancel_requested)
             # In a literal, as list_runs' status: a generic plan of a parameter read
             # the whole table in the primary key's order.
             .where(R.c.status == literal(RunStatus.WAITING.value))
             .order_by(R.c.created_at)
         )
         with self._reads.connect() as conn:
-            return [WaitRef(r.id, r.agent, r.waiting_token) for r in conn.execute(query)]
+            return [
+                WaitRef(r.id, r.agent, r.waiting_token, r.cancel_requested)
+                for r in conn.execute(query)
+            ]
 
 
 def _newest(query: Any, status: RunStatus | None, agent: str | None, limit: int) -> Any:

@@ -152,6 +152,10 @@ class InvalidAnswerError(AgentrunsError, TypeError):
     line, as it does a bad token)."""
 
 
+class InvalidSettingError(AgentrunsError, ValueError):
+    """An ``AGENTRUNS_*`` variable holds what its setting cannot take (it is named)."""
+
+
 class NotMigratedError(AgentrunsError):
     """The database schema is missing or behind: run ``agentruns migrate``."""
 

@@ -7,8 +7,10 @@ from typing import TypeGuard
 from urllib.parse import urlsplit
 
 import sqlalchemy as sa
-from pydantic import Field, field_validator
+from pydantic import Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from agentruns.errors import InvalidSettingError
 
 # The longest time any setting in seconds may name (a year): a lease's expiry, a
 # requeue age or a beat interval must still be a date.
@@ -60,6 +62,11 @@ class Settings(BaseSettings):
             sa.make_url(value).port  # noqa: B018  (the port is parsed when read)
         except (ValueError, sa.exc.ArgumentError) as exc:
             raise ValueError(f"not a database URL ({_why(value, exc)})") from None
+        from agentruns.store.connect import unsupported
+
+        problem = unsupported(value)
+        if problem is not None:
+            raise ValueError(problem)
         return value
 
     @field_validator("redis_url")
@@ -117,6 +124,18 @@ def _why(url: str, exc: Exception) -> str:
     return "if its password holds a '/', ':', '@' or '#', percent-encode them (%2F, %3A, %40, %23)"
 
 
+def read_settings() -> Settings:
+    """The settings the environment gives, read now; a variable they cannot take is
+    named, in one line (``InvalidSettingError``), not in pydantic's text."""
+    try:
+        return Settings()
+    except ValidationError as exc:
+        problem = exc.errors()[0]
+        where = ".".join(str(p) for p in problem["loc"])
+        said = problem["msg"].removeprefix("Value error, ")  # pydantic's, for a validator's
+        raise InvalidSettingError(f"invalid setting AGENTRUNS_{where.upper()}: {said}") from None
+
+
 @cache
 def get_settings() -> Settings:
-    return Settings()
+    return read_settings()

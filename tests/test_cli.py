@@ -704,6 +704,9 @@ def test_a_url_that_is_not_one_names_its_setting_and_hides_its_password(
         ("REDIS_URL", "http://127.0.0.1:6379/10", "not a Redis URL"),
         ("REDIS_URL", "redis://127.0.0.1:6379/abc", "is its database number, not 'abc'"),
         ("BROKER_URL", "redis://:hunter2@127.0.0.1:6379/x1", "is its database number"),
+        # Exit 1, "agentruns stores runs in Postgres ...", naming no setting.
+        ("DATABASE_URL", "bogus://u:hunter2@x/y", "or SQLite (sqlite:///...), not bogus://"),
+        ("DATABASE_URL", "postgresql+psycopg2://x/y", "not postgresql+psycopg2://"),
     ]
     for name, url, said in cases:
         with monkeypatch.context() as scoped:

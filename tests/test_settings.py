@@ -18,7 +18,7 @@ from pydantic import ValidationError
 from agentruns import Engine, LocalLeases, RedisLeases, SqlStore
 from agentruns.broadcast import EventPublisher
 from agentruns.celery import defaults
-from agentruns.errors import AgentrunsError
+from agentruns.errors import AgentrunsError, InvalidSettingError
 from agentruns.settings import Settings
 from agentruns.wiring import engine_from_settings
 from tests.conftest import REDIS_URL
@@ -46,6 +46,34 @@ def test_an_empty_queue_name_is_refused(value: str, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("AGENTRUNS_QUEUE", value)
     with pytest.raises(ValidationError, match="queue's name must not be empty"):
         Settings()
+
+
+def test_a_bad_setting_is_named_in_one_line_by_engines_workers_and_beat(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Engine.from_settings() raised pydantic's multi-line text naming the field
+    # (lease_ttl), not the variable; a worker or beat ended on the same.
+    said = (
+        "invalid setting AGENTRUNS_LEASE_TTL: Input should be a valid number,"
+        " unable to parse string as a number"
+    )
+    monkeypatch.setenv("AGENTRUNS_LEASE_TTL", "abc")
+    with pytest.raises(InvalidSettingError) as err:
+        Engine.from_settings()
+    assert str(err.value) == said and isinstance(err.value, ValueError)
+    env = {**os.environ, "AGENTRUNS_LEASE_TTL": "abc", "PYTHONPATH": str(ROOT)}
+    for command in (["worker", "-P", "solo", "-n", "bad-setting@%h"], ["beat"]):
+        started = subprocess.run(
+            [sys.executable, "-m", "celery", "-A", "agentruns", *command],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert started.returncode != 0
+        last = started.stderr.strip().splitlines()[-1]
+        assert last == f"agentruns.errors.InvalidSettingError: {said}", started.stderr[-2000:]
 
 
 def test_an_engine_refuses_lease_and_requeue_times_that_are_not_finite(sqlite_url: str) -> None:

@@ -7,10 +7,10 @@ from pathlib import Path
 import redis
 import sqlalchemy
 import sqlalchemy.exc
-from pydantic import ValidationError
 
 from agentruns.errors import (
     AgentrunsError,
+    InvalidSettingError,
     InvalidTokenError,
     InvalidTriggerError,
     NotMigratedError,
@@ -53,11 +53,8 @@ def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tu
         return BAD_INPUT, f"no run with id {exc.run_id!r} (see `agentruns runs`)"
     if isinstance(exc, UnknownAgentError | InvalidTriggerError | NotRetryableError):
         return BAD_INPUT, str(exc)
-    if isinstance(exc, ValidationError):
-        problem = exc.errors()[0]
-        where = ".".join(str(p) for p in problem["loc"])
-        said = problem["msg"].removeprefix("Value error, ")  # pydantic's, for a validator's
-        return BAD_INPUT, f"invalid setting AGENTRUNS_{where.upper()}: {said}"
+    if isinstance(exc, InvalidSettingError):
+        return BAD_INPUT, str(exc)
     database = shown_url(database_url)
     if isinstance(exc, NotMigratedError):
         cause = exc.__cause__

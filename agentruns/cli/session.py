@@ -18,7 +18,7 @@ from agentruns.errors import AgentrunsError, NotifierError, first_line
 from agentruns.events import Event
 from agentruns.leases import LocalLeases
 from agentruns.schedulers import LocalScheduler
-from agentruns.settings import Settings, is_redis_url
+from agentruns.settings import Settings, is_redis_url, read_settings
 from agentruns.store.connect import is_sqlite_memory, shown_url
 from agentruns.wiring import engine_from_settings, load_agents
 
@@ -56,7 +56,7 @@ class Session:
     @property
     def settings(self) -> Settings:
         if self._settings is None:
-            self._settings = Settings()
+            self._settings = read_settings()
         return self._settings
 
     def settings_or_none(self) -> Settings | None:

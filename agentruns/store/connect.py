@@ -27,19 +27,27 @@ def dumps(value: Any) -> str:
     return _ENCODER.encode(value)
 
 
-def _check_supported(url: str) -> None:
-    """Postgres through psycopg 3, or SQLite: refuse any other database or driver in
-    one line, before SQLAlchemy looks for a driver module that is not there."""
+def unsupported(url: str) -> str | None:
+    """Why agentruns cannot use the database ``url`` names, or None: it takes Postgres
+    through psycopg 3, or SQLite."""
     try:
         parsed = sa.make_url(url)
     except sa.exc.ArgumentError:
-        return  # SQLAlchemy's own message says what is wrong with it
-    if parsed.drivername in (*_SQLITE, "postgresql+psycopg"):
-        return
-    raise AgentrunsError(
+        return None  # SQLAlchemy's own message says what is wrong with it
+    if parsed.drivername in (*_SQLITE, "postgresql", "postgresql+psycopg"):
+        return None
+    return (
         f"agentruns stores runs in Postgres (postgresql+psycopg://...) or SQLite"
-        f" (sqlite:///...), not {parsed.drivername}:// (check AGENTRUNS_DATABASE_URL)"
+        f" (sqlite:///...), not {parsed.drivername}://"
     )
+
+
+def _check_supported(url: str) -> None:
+    """Refuse an unsupported database or driver in one line, before SQLAlchemy looks
+    for a driver module that is not there."""
+    problem = unsupported(url)
+    if problem is not None:
+        raise AgentrunsError(f"{problem} (check AGENTRUNS_DATABASE_URL)")
 
 
 # Every engine made here, so that a forked child lets go of its parent's connections.

@@ -11,9 +11,9 @@ from typing import Any
 from pydantic import BaseModel
 
 from agentruns.models.base import Model
-from agentruns.runs import Budget, Run, TriggerEnvelope, WaitPoint
+from agentruns.runs import Budget, Run, TriggerEnvelope, WaitPoint, is_storable_key
 from agentruns.store.schema import AGENT_NAME_LENGTH
-from agentruns.tools import Tool, as_tool
+from agentruns.tools import STATE_TOOL_NAMES, Tool, as_tool
 
 # The longest approval wait an agent may set: about a century, a date for any run.
 MAX_APPROVAL_TTL = timedelta(days=36_500)
@@ -60,7 +60,19 @@ class Agent:
                 f"an agent's name must be printable text with no space around it, not {name!r}"
             )
         self.name = name
+        # Checked here, as budget and approval_ttl below: a wrong one would otherwise
+        # fail every execution of every run, or every dispatch.
+        if not callable(getattr(model, "complete", None)):
+            raise TypeError(
+                f"agent {name!r}: model must be a Model (with complete(request, signal)),"
+                f" not {model!r}"
+            )
         self.model = model
+        if not isinstance(instructions, str) and not callable(instructions):
+            raise TypeError(
+                f"agent {name!r}: instructions are text or a function of the run's context,"
+                f" not {instructions!r}"
+            )
         self.instructions = instructions
         # Checked here: a wrong one would otherwise fail every execution of every run.
         limits = Budget.model_validate(budget) if isinstance(budget, dict) else budget
@@ -76,12 +88,44 @@ class Agent:
                 f" not {approval_ttl}"
             )
         self.approval_ttl = approval_ttl
+        if notifier is not None and not callable(notifier):
+            raise TypeError(f"agent {name!r}: notifier must be a function, not {notifier!r}")
         self.notifier = notifier
+        if not (concurrency_key is None or callable(concurrency_key)) and not (
+            isinstance(concurrency_key, str)
+            and concurrency_key
+            and is_storable_key(concurrency_key)
+        ):
+            raise TypeError(
+                f"agent {name!r}: concurrency_key must be non-empty text, a function of the"
+                f" trigger, or None, not {concurrency_key!r}"
+            )
         self.concurrency_key = concurrency_key
+        if state is not None and not (isinstance(state, type) and issubclass(state, BaseModel)):
+            raise TypeError(f"agent {name!r}: state must be a pydantic model class, not {state!r}")
         self.state = state
         self._tools = tools
+        if isinstance(tools, str | bytes) or not (callable(tools) or isinstance(tools, Sequence)):
+            raise TypeError(
+                f"agent {name!r}: tools are a list of tools or functions, or a function of"
+                f" the run's context, not {tools!r}"
+            )
         if not callable(tools):
             self._static_tools = [as_tool(t) for t in tools]
+            self._check_names(self._static_tools)
+
+    def _check_names(self, tools: list[Tool]) -> None:
+        """Two tools of one name (a state tool's among them) fail every run that offers
+        them: said when the agent is made, where its tools are a list."""
+        names = [t.name for t in tools]
+        if self.state is not None:
+            names += STATE_TOOL_NAMES
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(
+                f"agent {self.name!r} has two tools named {repeated[0]!r}"
+                + (" (its state's tools are read_state and update_state)" if self.state else "")
+            )
 
     def system_prompt(self, ctx: RunContext) -> str:
         if callable(self.instructions):

@@ -84,6 +84,8 @@ class Engine:
         requeue_after: float = 60.0,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
+        for agent in agents:  # before the store is opened
+            _an_agent(agent)
         if slots < 1 or not all(0 < t <= MAX_SECONDS for t in (lease_ttl, requeue_after)):
             raise ValueError(
                 f"slots must be positive, and lease_ttl and requeue_after from 0 to "
@@ -131,6 +133,7 @@ class Engine:
         self._closers.append(closer)
 
     def register(self, agent: Agent) -> None:
+        _an_agent(agent)
         if agent.name in self._agents and self._agents[agent.name] is not agent:
             raise ValueError(f"two agents are named {agent.name!r}")
         self._agents[agent.name] = agent
@@ -766,6 +769,11 @@ def _signing_key(secret: str | None, leases: Leases) -> str:
 
 # How long the note that a live process gave a run's claim up is kept for recover().
 _GIVEN_UP_S = 3600.0
+
+
+def _an_agent(agent: Any) -> None:
+    if not isinstance(agent, Agent):
+        raise TypeError(f"an engine's agents are Agent objects, not {agent!r}")
 
 
 def _limits(budget: Budget | None) -> str:

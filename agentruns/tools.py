@@ -70,8 +70,23 @@ class Tool:
         input_model: type[BaseModel] | None = None,
         partial: bool = False,
     ) -> None:
+        # Checked here: a wrong one would otherwise fail, or be ignored, on every run.
+        if not callable(fn):
+            raise TypeError(f"a tool is a function, not {fn!r}")
         if on_unknown not in ("retry", "approve", "fail"):
             raise ValueError(f"on_unknown must be retry, approve or fail, not {on_unknown!r}")
+        if not isinstance(effect, bool):
+            raise TypeError(f"effect must be True or False, not {effect!r}")
+        if on_unknown != "retry" and not effect:
+            # Only an effect tool's call is recorded, and so can have an unknown outcome.
+            raise ValueError(f"on_unknown={on_unknown!r} is for effect tools: add effect=True")
+        if not isinstance(needs_approval, bool) and not callable(needs_approval):
+            raise TypeError(
+                "needs_approval must be True, False or a function of (arguments, ctx),"
+                f" not {needs_approval!r}"
+            )
+        if description is not None and not isinstance(description, str):
+            raise TypeError(f"a tool's description is text, not {description!r}")
         self.fn = fn
         self.name = name or fn.__name__
         if not isinstance(self.name, str) or not _TOOL_NAME.fullmatch(self.name):
@@ -219,6 +234,9 @@ def _is_context(annotation: Any) -> bool:
     if get_origin(annotation) in (Union, types.UnionType):
         return any(_is_context(arg) for arg in get_args(annotation) if arg is not type(None))
     return False
+
+
+STATE_TOOL_NAMES = ["read_state", "update_state"]  # ``state_tools``'s
 
 
 def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]:

@@ -5,13 +5,15 @@ Postgres and Redis."""
 from __future__ import annotations
 
 import asyncio
+import re
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Annotated, Any
 
 import pytest
 from pydantic import BaseModel, Field
 
-from agentruns import Agent, RunStatus, ToolContext, tool
+from agentruns import Agent, Engine, RunStatus, ToolContext, tool
 from agentruns.models import ScriptedModel, text, tool_use
 from tests.conftest import EngineFactory, trigger
 
@@ -143,6 +145,51 @@ def test_agent_arguments_of_the_wrong_type_are_refused_when_the_agent_is_made() 
         with pytest.raises(ValueError, match="approval_ttl must be positive"):
             Agent("a", model, approval_ttl=ttl)
     assert Agent("a", model, approval_ttl=timedelta(minutes=5)).approval_ttl.seconds == 300
+
+
+def test_agent_and_tool_definitions_that_would_fail_every_run_are_refused_when_made() -> None:
+    # Each was taken, then failed every run (internal_error, model_error), every
+    # dispatch (an InvalidTriggerError about the agent), every tick (NotifierError),
+    # or was quietly taken for something else (a needs_approval of "no" asked).
+    model = ScriptedModel([text("ok")])
+
+    class Notes(BaseModel):
+        text: str = ""
+
+    @tool
+    def read_state() -> str:
+        """Shadows the state tool."""
+        return ""
+
+    def look() -> str:
+        """Look."""
+        return ""
+
+    refused: list[tuple[Callable[[], Any], type[Exception], str]] = [
+        (lambda: Agent("a", None), TypeError, "model must be a Model"),  # type: ignore[arg-type]
+        (lambda: Agent("a", "claude"), TypeError, "model must be a Model"),  # type: ignore[arg-type]
+        (lambda: Agent("a", model, instructions=5), TypeError, "instructions are text"),  # type: ignore[arg-type]
+        (lambda: Agent("a", model, tools=[look, tool(look)]), ValueError, "two tools named 'look'"),
+        (lambda: Agent("a", model, tools=[read_state], state=Notes), ValueError, "read_state"),
+        (lambda: Agent("a", model, tools=[42]), TypeError, "a tool is a function, not 42"),  # type: ignore[list-item]
+        (lambda: Agent("a", model, tools="look"), TypeError, "tools are a list"),  # type: ignore[arg-type]
+        (lambda: Agent("a", model, state=dict), TypeError, "state must be a pydantic model"),  # type: ignore[arg-type]
+        (lambda: Agent("a", model, concurrency_key=""), TypeError, "concurrency_key"),
+        (lambda: Agent("a", model, concurrency_key=5), TypeError, "concurrency_key"),  # type: ignore[arg-type]
+        (lambda: Agent("a", model, notifier="x"), TypeError, "notifier must be a function"),  # type: ignore[arg-type]
+        (lambda: tool(needs_approval="no")(look), TypeError, "needs_approval must be"),  # type: ignore[call-overload]
+        (lambda: tool(on_unknown="fail")(look), ValueError, "add effect=True"),
+        (lambda: tool(effect="yes")(look), TypeError, "effect must be True or False"),  # type: ignore[call-overload]
+        (lambda: tool(42), TypeError, "a tool is a function, not 42"),  # type: ignore[call-overload]
+        (lambda: Engine("sqlite:///nowhere.db", agents=["x"]), TypeError, "Agent objects, not 'x'"),  # type: ignore[list-item]
+    ]
+    for make, error, said in refused:
+        with pytest.raises(error, match=re.escape(said)):
+            make()
+    # What is fine stays fine.
+    Agent("a", model, tools=[look], state=Notes, concurrency_key="k", notifier=print)
+    Agent("a", model, tools=lambda ctx: [look, look])  # a function's tools: checked per run
+    tool(effect=True, on_unknown="fail", needs_approval=lambda args, ctx: True)(look)
 
 
 def test_an_agent_name_no_store_holds_as_it_is_is_refused_when_the_agent_is_made(

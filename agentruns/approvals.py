@@ -7,6 +7,7 @@ The tokens themselves are ``tokens.py``'s; only their ids are stored.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -26,12 +27,15 @@ from agentruns.errors import (
 )
 from agentruns.events import Events
 from agentruns.leases.base import Leases
-from agentruns.runs import Run, RunStatus, WaitPoint, is_utf8, utcnow
+from agentruns.runs import Run, RunError, RunStatus, WaitPoint, is_utf8, utcnow
 from agentruns.schedulers.base import Scheduler
 from agentruns.store.base import Commit, Committed, Guard, NewStep, Store, WaitRef
 
 # The shortest time the lock around a notifier call is taken for (it is renewed).
 _NOTIFY_LOCK_S = 30.0
+
+
+log = logging.getLogger("agentruns")
 
 
 class Host(Protocol):
@@ -129,7 +133,11 @@ class Approvals:
         engine = self.engine
         wait = run.waiting
         assert wait is not None and wait.tool_call_id is not None
-        pending = dict(engine.store.pending(run.id) or {})
+        stored = engine.store.pending(run.id)
+        if stored is not None and not isinstance(stored, dict):
+            damaged = f"run {run.id}'s row: its pending is not a valid object ({stored!r:.80})"
+            return self._fail_damaged(run, damaged)
+        pending = dict(stored or {})
         asked_again = pending_.unknown(pending.get(wait.tool_call_id))
         denied = None if approved else _denial(reason, asked_again)
         if denied is not None and asked_again and self._recorded(run.id, wait.tool_call_id):
@@ -160,6 +168,24 @@ class Approvals:
                 raise InvalidTokenError("stale", "the approval was answered or cancelled meanwhile")
             engine.published(committed)
         engine.scheduler.schedule(run.id)
+        return committed.run
+
+    def _fail_damaged(self, run: Run, damaged: str) -> Run:
+        """Fail a waiting run whose checkpoint cannot be read (edited by hand): no answer
+        can be joined to it, and an execution would fail it the same way."""
+        engine = self.engine
+        assert run.waiting is not None
+        error = RunError(code="invalid_checkpoint", message=f"cannot read {damaged}")
+        with engine.events.writing(run.id):
+            committed = engine.store.commit(
+                run,
+                Guard(status=RunStatus.WAITING, token_id=run.waiting.token_id),
+                Commit(status=RunStatus.FAILED, error=error, waiting=None),
+            )
+            if committed is None:
+                raise InvalidTokenError("stale", "the approval was answered or cancelled meanwhile")
+            engine.published(committed)
+        log.warning("run %s failed: invalid_checkpoint: %s", run.id, error.message)
         return committed.run
 
     def _recorded(self, run_id: str, tool_call_id: str) -> bool:

@@ -127,6 +127,8 @@ class Execution:
         self._guard = Guard(status=RunStatus.RUNNING, epoch=self.epoch)
         self._saved = False  # whether this execution committed a write
         self._step_started = utcnow()
+        # The ids of the transcript's tool calls: a reply may not call with one again.
+        self._call_ids: set[str] = set()
 
     @property
     def run_id(self) -> str:
@@ -239,7 +241,7 @@ class Execution:
                     f"{len(messages)} messages stored but the checkpoint holds "
                     f"{stored.checkpoint_messages}"
                 )
-        transcript.validate(messages)
+        self._call_ids = transcript.validate(messages)
         return messages, unsaved, dict(stored.pending or {}), self._initial_state(state)
 
     def _check_thread_waited(self) -> None:
@@ -340,8 +342,10 @@ class Execution:
             self._fail_model(exception_text(exc))
         if self.reason is Abort.LEASE_LOST:
             raise LeaseLostError(self.run.id)
-        problem = replies.malformed(response) or replies.uncountable(
-            self.run.usage, replies.usage_of(response)
+        problem = (
+            replies.malformed(response)
+            or replies.called_before(response, self._call_ids)
+            or replies.uncountable(self.run.usage, replies.usage_of(response))
         )
         if problem:
             self._fail_model(f"malformed model reply: {problem}", replies.usage_of(response))
@@ -385,6 +389,7 @@ class Execution:
             self._commit_response(write, response)
             raise _Stop
         self._commit_response(write, response)
+        self._call_ids.update(call["id"] for call in calls)
         self.unsaved = []
         messages.append(assistant)
         self._run_tools(messages, calls, {}, index, response.stop_reason)

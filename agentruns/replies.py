@@ -80,6 +80,16 @@ def malformed(response: ModelResponse) -> str | None:
     return None
 
 
+def called_before(response: ModelResponse, earlier: set[str]) -> str | None:
+    """A call of ``response`` with the id of one of the transcript's: the provider
+    refuses a transcript that repeats an id, and an effect tool's record is kept by
+    it (the call would get the earlier call's result, and not be made)."""
+    for call in response.tool_calls:
+        if call["id"] in earlier:
+            return f"tool_use id {call['id']} is the id of an earlier call of the run"
+    return None
+
+
 def _malformed_call(block: dict[str, Any], seen: set[str]) -> str | None:
     """What is wrong with a tool_use block, given the ids of the reply's calls before it."""
     if not isinstance(block.get("id"), str) or not block["id"]:

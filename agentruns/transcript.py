@@ -25,16 +25,18 @@ def text_of(message: Message) -> str:
     )
 
 
-def validate(messages: list[Message]) -> None:
-    """Raise ``InvalidCheckpointError`` unless the transcript can be sent to the model.
+def validate(messages: list[Message]) -> set[str]:
+    """Raise ``InvalidCheckpointError`` unless the transcript can be sent to the model;
+    the ids of its tool calls.
 
-    Roles alternate from a user message; every ``tool_use`` is answered by a
-    ``tool_result`` in the next message. The last message may be an assistant
-    turn whose calls are still unanswered: the step in progress, or a step
-    paused on an approval.
+    Roles alternate from a user message; every ``tool_use`` has an id of its own
+    and is answered by a ``tool_result`` in the next message. The last message may
+    be an assistant turn whose calls are still unanswered: the step in progress, or
+    a step paused on an approval.
     """
     if not messages:
         raise InvalidCheckpointError("the transcript is empty")
+    ids: set[str] = set()
     expected = "user"
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") != expected:
@@ -43,14 +45,15 @@ def validate(messages: list[Message]) -> None:
         if not isinstance(message.get("content"), str | list):
             raise InvalidCheckpointError(f"message {i} has no content")
         if expected == "assistant":
-            _check_calls(message, i)
+            _check_calls(message, i, ids)
             calls = tool_calls(message)
             if calls and i + 1 < len(messages):
                 check_answered(calls, messages[i + 1], i + 1)
         expected = "assistant" if expected == "user" else "user"
+    return ids
 
 
-def _check_calls(message: Message, index: int) -> None:
+def _check_calls(message: Message, index: int, ids: set[str]) -> None:
     content = message["content"]
     for block in content if isinstance(content, list) else []:
         if isinstance(block, dict) and block.get("type") == "tool_use":
@@ -59,6 +62,11 @@ def _check_calls(message: Message, index: int) -> None:
                 raise InvalidCheckpointError(
                     f"message {index} has a tool_use block without an id, name or input"
                 )
+            if block["id"] in ids:  # the provider refuses the transcript
+                raise InvalidCheckpointError(
+                    f"message {index} repeats the id of an earlier tool call, {block['id']}"
+                )
+            ids.add(block["id"])
 
 
 def check_answered(calls: list[dict[str, Any]], answer: Message, index: int) -> None:

@@ -213,6 +213,38 @@ def test_expired_token_is_refused_and_tick_denies_the_expired_wait(
     assert len([s for s in engine.steps(run.id) if s.kind == "wait"]) == 1
 
 
+@pytest.mark.parametrize("answer", ["resume", "expire"])
+def test_a_waiting_run_whose_pending_answers_are_damaged_fails_when_answered(
+    make_engine: EngineFactory, calls: Calls, monkeypatch: pytest.MonkeyPatch, answer: str
+) -> None:
+    # resume raised a bare TypeError (not an AgentrunsError), and tick sent it to
+    # on_error on every sweep, the run waiting for good.
+    agent, _ = comment_agent(calls)
+    engine = make_engine([agent])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    token = engine.approval_token(run.id)
+    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(
+            sa.text("UPDATE agentruns_runs SET pending = :value WHERE id = :id"),
+            {"value": '"text"', "id": run.id},
+        )
+    if answer == "resume":
+        failed = engine.resume(token, approved=True)
+    else:
+        assert run.waiting is not None
+        later = run.waiting.expires_at + timedelta(seconds=1)
+        monkeypatch.setattr("agentruns.approvals.utcnow", lambda: later)
+        engine.tick()
+        failed = engine.get_run(run.id)
+    assert failed.status is RunStatus.FAILED and failed.waiting is None
+    assert failed.error is not None and failed.error.code == "invalid_checkpoint"
+    assert "its pending is not a valid object ('text')" in failed.error.message
+    assert engine.get_run(run.id) == failed
+    with pytest.raises(InvalidTokenError):
+        engine.resume(token, approved=True)
+    assert calls == []
+
+
 def test_a_token_lasts_exactly_as_long_as_its_wait_point(
     make_engine: EngineFactory, calls: Calls, monkeypatch: pytest.MonkeyPatch
 ) -> None:

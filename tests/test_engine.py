@@ -30,6 +30,7 @@ from agentruns import (
     LocalLeases,
     RedisLeases,
     RunContext,
+    RunError,
     RunNotFoundError,
     RunStatus,
     SqlStore,
@@ -38,6 +39,7 @@ from agentruns import (
     UnknownAgentError,
     Usage,
     tool,
+    transcript,
 )
 from agentruns.errors import InvalidCheckpointError
 from agentruns.events import Event
@@ -869,6 +871,62 @@ def test_a_tool_call_id_no_store_can_key_an_effect_by_is_a_malformed_reply_on_bo
             assert run.error.message.startswith("malformed model reply: a tool_use id")
             assert calls == [] and engine.steps(run.id) == []
             assert engine.checkpoint(run.id) is None  # nothing of the reply was written
+
+
+def test_a_reply_calling_with_an_earlier_calls_id_is_a_malformed_reply_on_both(
+    make_any_engine: EngineFactory,
+) -> None:
+    # The effect's record is kept by the call's id: the second post was not made, and
+    # the model was told the first one's result for it. The provider refuses such a
+    # transcript, so the thread's next run failed too.
+    posted: list[str] = []
+
+    @tool(effect=True)
+    def post(body: str) -> str:
+        """Post it."""
+        posted.append(body)
+        return f"posted {body}"
+
+    first = tool_use("post", {"body": "first"}, id="call_1")
+    model = ScriptedModel(
+        [first, tool_use("post", {"body": "second"}, id="call_1"), text("done")],
+        usage=Usage(input_tokens=10, output_tokens=5),
+    )
+
+    def again(messages: list[dict[str, Any]]) -> Any:  # each run of a thread: the same id
+        last = messages[-1]["content"]
+        answered = isinstance(last, list) and last[0].get("type") == "tool_result"
+        return text("done") if answered else first
+
+    engine = make_any_engine(
+        [Agent("a", model, tools=[post]), Agent("b", ScriptedModel(again), tools=[post])]
+    )
+    run = _run_to_end(engine, "a")
+    assert run.status is RunStatus.FAILED, run
+    assert run.error == RunError(
+        code="model_error",
+        message="malformed model reply: tool_use id call_1 is the id of an earlier call of the run",
+    )
+    assert posted == ["first"]
+    assert run.usage == Usage(input_tokens=20, output_tokens=10)
+    assert len(engine.checkpoint(run.id).messages) == 3  # type: ignore[union-attr]
+    # Across a thread's runs: the transcript the model is given holds them all.
+    done = engine.dispatch("b", trigger({}), thread="t")
+    assert engine.idle(10) and engine.get_run(done.id).status is RunStatus.COMPLETED
+    later = engine.dispatch("b", trigger({}), thread="t")
+    assert engine.idle(10)
+    failed = engine.get_run(later.id)
+    assert failed.error is not None and "tool_use id call_1 is the id" in failed.error.message
+    assert posted == ["first", "first"]
+
+
+def test_a_stored_transcript_repeating_a_call_id_is_an_invalid_checkpoint() -> None:
+    call = tool_use("post", {}, id="c")
+    result = {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "c"}]}
+    messages = [{"role": "user", "content": "go"}, {"role": "assistant", "content": [call]}]
+    assert transcript.validate([*messages, result]) == {"c"}
+    with pytest.raises(InvalidCheckpointError, match="message 3 repeats the id of an earlier"):
+        transcript.validate([*messages, result, {"role": "assistant", "content": [call]}])
 
 
 def test_a_reply_one_store_would_refuse_is_a_malformed_reply_on_both(
@@ -2227,6 +2285,10 @@ def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
         ("trigger", '{"payload": 1}'),
         ("budget", '{"max_steps": "many"}'),
         ("waiting", '{"kind": "approval"}'),
+        # The execution failed internal_error (TypeError: cannot convert dictionary
+        # update sequence...), for an agent with no state model too.
+        ("state", "[1, 2]"),
+        ("pending", '"text"'),
     ],
 )
 def test_a_run_row_damaged_by_hand_is_read_listed_and_failed_once(

@@ -326,6 +326,12 @@ class SqlStore:
     def _transcript_of(
         row: RowMapping | dict[str, Any], messages: list[Any], damaged: str | None = None
     ) -> Transcript:
+        for column in ("state", "pending"):  # JSON objects, unless edited by hand
+            value = row[column]
+            if damaged is None and value is not None and not isinstance(value, dict):
+                damaged = (
+                    f"run {row['id']}'s row: its {column} is not a valid object ({value!r:.80})"
+                )
         return Transcript(
             messages=messages,
             checkpoint_messages=row["checkpoint_messages"] or 0,

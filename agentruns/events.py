@@ -91,6 +91,8 @@ class Events:
     def on(self, event_type: EventType, listener: Listener) -> Callable[[], None]:
         if event_type not in self._listeners:
             raise ValueError(f"unknown event {event_type!r}; use one of {EVENT_TYPES}")
+        if not callable(listener):  # else every event would report its TypeError
+            raise TypeError(f"a listener is a function of the event, not {listener!r}")
         with self._lock:
             self._listeners[event_type] = [*self._listeners[event_type], listener]
 

@@ -342,6 +342,11 @@ class Execution:
             self._fail_model(exception_text(exc))
         if self.reason is Abort.LEASE_LOST:
             raise LeaseLostError(self.run.id)
+        if not isinstance(response, ModelResponse):  # a model of the team's own
+            self._fail_model(
+                f"malformed model reply: the model returned {type(response).__name__},"
+                " not a ModelResponse"
+            )
         problem = (
             replies.malformed(response)
             or replies.called_before(response, self._call_ids)

@@ -561,6 +561,8 @@ def test_a_payload_that_is_not_json_stores_nothing(cli: Cli) -> None:
     line = cli.fails(2, "dispatch", "triage", "--payload", "{not json")
     assert line.startswith("agentruns: error: --payload is not JSON")
     assert "name=value" in cli.fails(2, "dispatch", "triage", "--key", "no-equals")
+    twice = ("--key", "issue=1", "--key", "issue=2")  # the last was kept, unsaid
+    assert "--key issue is given twice: '1' and '2'" in cli.fails(2, "dispatch", "triage", *twice)
     assert cli.json("runs")["runs"] == []
 
 

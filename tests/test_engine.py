@@ -1703,6 +1703,33 @@ def test_a_drained_thread_run_goes_first_again_and_its_thread_keeps_its_order(
     assert r2_done.output == "answered 2 questions"
 
 
+def test_a_listener_that_is_not_a_function_is_refused(make_engine: EngineFactory) -> None:
+    # Taken, it made every event report a TypeError to on_error.
+    engine = make_engine([])
+    with pytest.raises(TypeError, match="a listener is a function of the event, not 5"):
+        engine.on("run.updated", 5)  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("returned", [None, {"content": [], "stop_reason": "end_turn"}])
+def test_a_model_of_ones_own_returning_no_model_response_fails_model_error(
+    make_engine: EngineFactory, returned: Any
+) -> None:
+    # It failed internal_error, as a bug of agentruns', and ScriptedModel's model_error.
+    class Odd:
+        name = "odd"
+
+        def complete(self, request: Any, signal: threading.Event) -> Any:
+            return returned
+
+    run = _run_to_end(make_engine([Agent("a", Odd())]))
+    assert run.status is RunStatus.FAILED
+    assert run.error == RunError(
+        code="model_error",
+        message="malformed model reply: the model returned"
+        f" {type(returned).__name__}, not a ModelResponse",
+    )
+
+
 @pytest.mark.parametrize("raised", [SystemExit(2), asyncio.CancelledError()], ids=repr)
 def test_a_listener_that_exits_in_a_pool_thread_reaches_on_error_and_the_run_completes(
     make_engine: EngineFactory, errors: Errors, raised: BaseException

@@ -260,6 +260,8 @@ def _keys(pairs: list[str]) -> dict[str, str]:
         name, sep, value = pair.partition("=")
         if not sep or not name:
             raise CliError(f"--key takes name=value, not {pair!r}", BAD_INPUT)
+        if name in keys and keys[name] != value:
+            raise CliError(f"--key {name} is given twice: {keys[name]!r} and {value!r}", BAD_INPUT)
         keys[name] = value
     return keys
 

@@ -37,7 +37,7 @@ def new_run(
     found = agents.get(name)
     if found is None:
         raise UnknownAgentError(name)
-    envelope = _envelope(trigger)
+    envelope = trigger_envelope(trigger)
     idempotency_key, concurrency_key, thread = _keys(
         found, envelope, idempotency_key, concurrency_key, thread
     )
@@ -125,7 +125,7 @@ def _keys(
     return idempotency_key, concurrency_key, thread
 
 
-def _envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelope:
+def trigger_envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelope:
     if isinstance(trigger, TriggerEnvelope):
         # Validated again: its fields may have been changed (or never checked) since.
         trigger = trigger.model_dump()

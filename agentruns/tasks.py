@@ -28,6 +28,7 @@ from celery.exceptions import ImproperlyConfigured, Reject
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
+from agentruns import intake
 from agentruns.broker import send_together
 from agentruns.celery import AMQP, app
 from agentruns.engine import Engine
@@ -114,6 +115,7 @@ class _Task(Task):  # type: ignore[misc]
         """Celery's ``apply_async``; the message and its ``task-sent`` event are sent
         together, in one round trip (``agentruns.broker.send_together``)."""
         _refuse_protocol_1(self)
+        _check_trigger(self, args, kwargs)
         if "argsrepr" not in options and "kwargsrepr" not in options:
             options["argsrepr"], options["kwargsrepr"] = _arguments_shown(self, args, kwargs)
         if options.get("connection") is not None:  # Celery makes a producer of its own
@@ -123,6 +125,17 @@ class _Task(Task):  # type: ignore[misc]
             return Task.apply_async(self, args, kwargs, sent_id, pooled, *rest, **options)
 
         return send_together(self.app, send, producer, task_id)
+
+
+def _check_trigger(task: Any, args: Any, kwargs: Any) -> None:
+    """A dispatch's trigger, checked where it is sent (``InvalidTriggerError``): the
+    worker would refuse it, in its log, and the sender never know (a NaN in the
+    payload, say, which the message's JSON carries)."""
+    if task.name != "agentruns.dispatch":
+        return
+    given = dict(zip(_parameters(task.run), args or (), strict=False)) | dict(kwargs or {})
+    if "trigger" in given:
+        intake.trigger_envelope(given["trigger"])
 
 
 def _refuse_protocol_1(task: Any) -> None:

@@ -32,7 +32,15 @@ import sqlalchemy as sa
 from celery import Celery
 from celery.exceptions import ImproperlyConfigured
 
-from agentruns import CeleryScheduler, Engine, RedisLeases, Run, RunStatus, SqlStore
+from agentruns import (
+    CeleryScheduler,
+    Engine,
+    InvalidTriggerError,
+    RedisLeases,
+    Run,
+    RunStatus,
+    SqlStore,
+)
 from agentruns.celery import CLOCK_SKEW_S, defaults, sweeps_queue
 from agentruns.migrate import migrate
 from agentruns.runs import RunError, utcnow
@@ -558,7 +566,8 @@ def test_redelivered_and_bad_messages_store_nothing_more(cluster: Cluster, engin
         dispatch.apply_async(("quick", trigger({"n": 1})), task_id="the-same-message")
     # Bad input fails its task once, with the reason, and is not retried.
     dispatch.delay("no-such-agent", trigger())
-    dispatch.delay("quick", {"payload": 1})  # not a trigger envelope
+    # Not a trigger envelope: refused at .delay(), and by the worker if sent by name.
+    dispatch.app.send_task("agentruns.dispatch", ("quick", {"payload": 1}))
     resume.delay("not-a-token", True)
     resume.delay("not-a-token", "yes")  # a traceback at ERROR, as if agentruns had failed
     cancel.delay("no-such-run")
@@ -1050,6 +1059,29 @@ def _sent_messages(queue: str) -> list[dict[str, Any]]:
         return [json.loads(m) for m in reversed(client.lrange(queue, 0, -1))]
     finally:
         client.close()
+
+
+def test_a_dispatch_whose_trigger_a_worker_would_refuse_is_refused_where_it_is_sent(
+    celery_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The message's JSON carried a NaN: the worker refused it, in its log, and the
+    # sender never knew.
+    from agentruns import tasks
+
+    sent: list[Any] = []
+    monkeypatch.setattr(tasks, "send_together", lambda *args: sent.append(args))
+    for bad, said in (
+        (trigger({"ratio": float("nan")}), "payload is not JSON"),
+        ({"payload": 1}, "source"),
+        ("issue 7", "a trigger is a TriggerEnvelope or a dict"),
+    ):
+        with pytest.raises(InvalidTriggerError, match=said):
+            tasks.dispatch.delay("quick", bad)
+        with pytest.raises(InvalidTriggerError, match=said):
+            tasks.dispatch.apply_async(kwargs={"agent": "quick", "trigger": bad})
+    assert sent == []
+    tasks.dispatch.delay("quick", trigger({"ratio": 0.5}))
+    assert len(sent) == 1
 
 
 def test_a_teams_own_app_on_message_protocol_1_refuses_to_send_agentruns_tasks(

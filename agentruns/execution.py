@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from enum import StrEnum
@@ -112,6 +114,20 @@ def _agents_own(what: str, call: Callable[[], T]) -> T:
         raise _AgentCodeFailed(what, exc) from exc
 
 
+class _Signal(threading.Event):
+    """An execution's abort signal (``ctx.signal``). Asked whether it is set, it also
+    looks at the lease: a tool that asks before it acts hears of a lease gone past
+    due at once, not at the keeper's next look (up to 0.1 s after a paused process
+    goes on)."""
+
+    def __init__(self, lapsed: Callable[[], bool]) -> None:
+        super().__init__()
+        self._lapsed = lapsed
+
+    def is_set(self) -> bool:
+        return super().is_set() or self._lapsed()
+
+
 class Execution:
     """Drives one claimed run. ``abort()`` may be called from any thread."""
 
@@ -122,7 +138,9 @@ class Execution:
         self.run = claimed.run
         self.epoch = claimed.epoch
         self.start = claimed.transcript
-        self.signal = threading.Event()
+        # Until when (``time.monotonic``) the lease is known held: the keeper's to say.
+        self.lease_ends: Callable[[], float] = lambda: math.inf
+        self.signal = _Signal(self._lapsed)
         self.reason: Abort | None = None
         self._guard = Guard(status=RunStatus.RUNNING, epoch=self.epoch)
         self._saved = False  # whether this execution committed a write
@@ -133,6 +151,18 @@ class Execution:
     @property
     def run_id(self) -> str:
         return self.run.id
+
+    def _lapsed(self) -> bool:
+        """Is the lease past due? Then the execution is aborted as lost, now: a process
+        stopped past its lease (SIGSTOP, a VM paused) goes on where it stopped, before
+        the keeper's next look, and must start no call another process made since."""
+        if time.monotonic() < self.lease_ends():
+            return False
+        self.abort(Abort.LEASE_LOST)
+        return True
+
+    def _holds_lease(self) -> bool:
+        return not (self.signal.is_set() and self.reason is Abort.LEASE_LOST)
 
     def abort(self, reason: Abort) -> None:
         # The first reason decides how the execution settles, except a lost lease:
@@ -180,7 +210,12 @@ class Execution:
         self.unsaved = unsaved
         self.state = StateHolder(state)
         self.caller = ToolCaller(
-            self.store, self.run.id, self.epoch, self._assemble_tools(ctx), self.signal
+            self.store,
+            self.run.id,
+            self.epoch,
+            self._assemble_tools(ctx),
+            self.signal,
+            self._holds_lease,
         )
 
         if self.run.cancel_requested:
@@ -436,7 +471,7 @@ class Execution:
         """Make the step's calls not done yet, in order, up to the first one awaiting
         approval (which it returns)."""
         for call in calls:
-            if self.reason is Abort.LEASE_LOST:
+            if not self._holds_lease():
                 raise LeaseLostError(self.run.id)
             if self.signal.is_set() and self.reason is not None:
                 # Cancelled, timed out or drained: no call starts after that. The

@@ -77,6 +77,7 @@ class LeaseKeeper:
         or soon will, and another engine's ``recover`` may take the run over at any
         moment. Such a claim is renewed now, before the execution does anything."""
         item = _Kept(execution, self._ttl, timeout_s, leased)
+        execution.lease_ends = lambda: item.held_until
         late = time.monotonic() - leased > self._ttl / 3
         item.renewing = late  # renewed here, not by the watcher meanwhile
         with self._lock:

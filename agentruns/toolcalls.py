@@ -11,10 +11,17 @@ from __future__ import annotations
 import json
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from agentruns.errors import FatalToolError, exception_text, first_line, stops_the_task
+from agentruns.errors import (
+    FatalToolError,
+    LeaseLostError,
+    exception_text,
+    first_line,
+    stops_the_task,
+)
 from agentruns.runs import Run, storable_text
 from agentruns.store.base import EffectRecord, Store
 from agentruns.store.connect import dumps
@@ -60,8 +67,12 @@ class ToolCaller:
         epoch: int,
         tools: dict[str, Tool],
         signal: threading.Event,
+        holds_lease: Callable[[], bool] = lambda: True,
     ) -> None:
         self.store = store
+        # Asked right before a tool is called: a process stopped past its lease goes
+        # on where it stopped, and must not make a call another process made since.
+        self.holds_lease = holds_lease
         self.run_id = run_id
         self.epoch = epoch
         self.tools = tools
@@ -113,6 +124,7 @@ class ToolCaller:
             return _raised_by_tool_code(exc)
         if tool.effect:
             return self._effect(tool, arguments, ctx, again)
+        self._check_lease()
         return _invoke(tool, arguments, ctx)
 
     def _effect(
@@ -146,6 +158,7 @@ class ToolCaller:
         )
         if begun.done:  # recorded since it was read, by an execution that lost the run
             return _recorded(begun.result, begun.is_error)
+        self._check_lease()
         try:
             outcome = _invoke(tool, arguments, ctx)
         except FatalToolError:
@@ -154,6 +167,10 @@ class ToolCaller:
         recorded = outcome.output if not outcome.is_error else outcome.content
         self.store.finish_effect(self.run_id, self.epoch, begun, recorded, outcome.is_error)
         return outcome
+
+    def _check_lease(self) -> None:
+        if not self.holds_lease():
+            raise LeaseLostError(self.run_id)
 
     def _forget(self, begun: EffectRecord) -> None:
         """The tool said its call failed (``FatalToolError``): no outcome to keep, so a

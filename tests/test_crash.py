@@ -218,6 +218,30 @@ def stopped_inside_the_charge(
     return rescuer, run, helper
 
 
+def test_a_stopped_owner_starts_no_call_once_it_goes_on_past_its_lease(
+    make_engine: EngineFactory, spawn: Any
+) -> None:
+    # Going on after SIGCONT, its thread made the step's next call (a call the run's
+    # new holder had made) before the keeper's next look, within milliseconds, and
+    # a tool that asked ctx.signal first was told to go on.
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("two_calls", trigger({}))
+    helper = spawn(run.id, pause="first")
+    helper.wait_for_line("executor started")
+    wait_for(lambda: producer.get_run(run.id).steps_used == 1 or None, "the model step")
+    time.sleep(0.3)  # inside the first call's second
+    helper.proc.send_signal(signal.SIGSTOP)
+    rescuer = make_engine(AGENTS, scheduler=ManualScheduler(), requeue_after=0.5)
+    recover_when_lease_expires(rescuer, run.id)
+    assert rescuer.execute(run.id).status is RunStatus.COMPLETED
+    helper.proc.send_signal(signal.SIGCONT)
+    assert helper.proc.wait(timeout=20) == 0
+    lines = helper.lines()
+    assert f"first {helper.proc.pid} signal True" in lines, lines
+    assert [line for line in lines if line.startswith("second")] == [f"second {os.getpid()}"]
+    assert "error LeaseLostError" in lines
+
+
 def test_an_effect_call_a_stopped_owner_finished_is_recorded_and_not_made_again(
     make_engine: EngineFactory, spawn: Any
 ) -> None:

@@ -118,6 +118,29 @@ effect_agent = Agent(
 )
 
 
+@tool
+def first(ctx: ToolContext) -> str:
+    """Take a second (with AGENTRUNS_TEST_PAUSE=first), then say whether to go on."""
+    hang_here("first")
+    log(f"first {os.getpid()} signal {ctx.signal.is_set()}")
+    return "first done"
+
+
+@tool
+def second() -> str:
+    """Act on the outside world: once, by the run's holder."""
+    log(f"second {os.getpid()}")
+    return "second done"
+
+
+# Two calls in one step: a process stopped in the first goes on past its lease.
+two_calls_agent = Agent(
+    "two_calls",
+    ScriptedModel([[tool_use("first", {}), tool_use("second", {})], text("Done.")]),
+    tools=[first, second],
+)
+
+
 @tool(needs_approval=True)
 def publish(text: str) -> str:
     """Publish a text (a person approves it first)."""
@@ -164,6 +187,7 @@ approved_ask_agent = _charging("approved_ask", approved_charge_or_ask)
 AGENTS = [
     steps_agent,
     effect_agent,
+    two_calls_agent,
     crash_agent,
     unknown_retry_agent,
     unknown_fail_agent,

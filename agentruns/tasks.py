@@ -293,14 +293,14 @@ def _retrying_outages(task: Any) -> Iterator[None]:
         raise
 
 
-def _engine_or_give_back() -> Engine:
+def _engine_or_give_back(task: Any) -> Engine:
     """This worker's engine. One that cannot be built for the database's schema (a
     worker deployed before ``agentruns migrate``) gives the message back, after a
     pause (so a worker alone does not spin on it), for a worker that can take it:
     acked here, a nudge or a sweep meant for the others was lost. (One that cannot be
     built because the database is away raises that outage, as a built one's calls do.)"""
     try:
-        return get_engine()
+        return get_engine(task.app)
     except NotMigratedError as exc:
         time.sleep(_GIVE_BACK_PAUSE_S)
         # (Not chained: Celery logs a rejection with its traceback, and the whole chain
@@ -336,7 +336,7 @@ def dispatch(
     if idempotency_key is None and not (isinstance(trigger, dict) and trigger.get("id")):
         idempotency_key = f"task:{self.request.id}"
     with _retrying_outages(self):
-        engine = get_engine()
+        engine = get_engine(self.app)
         kwargs: dict[str, Any] = {
             "idempotency_key": idempotency_key,
             "concurrency_key": concurrency_key,
@@ -378,7 +378,7 @@ def execute(self: Any, run_id: str) -> dict[str, Any]:
         # Give the message back for a worker that stays, instead of acking a no-op.
         raise Reject("the worker is shutting down", requeue=True)
     with _outage_in_one_line(f"execute of run {run_id} could not run (recover runs it)"):
-        run = _engine_or_give_back().execute(run_id, wait_for_notifiers=False)
+        run = _engine_or_give_back(self).execute(run_id, wait_for_notifiers=False)
     if run.status is RunStatus.QUEUED and shutting_down():
         raise Reject("the worker is shutting down", requeue=True)
     return _summary(run)
@@ -388,7 +388,7 @@ def execute(self: Any, run_id: str) -> dict[str, Any]:
 def resume(self: Any, token: str, approved: bool, reason: str | None = None) -> dict[str, Any]:
     """Answer the approval a resume token stands for; the run is queued again."""
     with _retrying_outages(self):
-        run = get_engine().resume(token, approved=approved, reason=reason)
+        run = get_engine(self.app).resume(token, approved=approved, reason=reason)
     return _summary(run)
 
 
@@ -396,7 +396,7 @@ def resume(self: Any, token: str, approved: bool, reason: str | None = None) -> 
 def cancel(self: Any, run_id: str) -> dict[str, Any]:
     """Cancel the run (a running one is aborted by whichever worker owns it)."""
     with _retrying_outages(self):
-        run = get_engine().cancel(run_id)
+        run = get_engine(self.app).cancel(run_id)
     return _summary(run)
 
 
@@ -405,7 +405,7 @@ def retry(self: Any, run_id: str, budget: dict[str, Any] | None = None) -> dict[
     """Queue a failed run again, to go on from its latest checkpoint, ``budget``'s limits
     replacing its own (``Engine.retry``)."""
     with _retrying_outages(self):
-        run = get_engine().retry(run_id, budget=budget)
+        run = get_engine(self.app).retry(run_id, budget=budget)
     return _summary(run)
 
 
@@ -414,14 +414,14 @@ def tick(self: Any) -> None:
     """Expire approvals past their time; re-send notifications that did not go through."""
     with _outage_in_one_line("tick could not sweep"):
         # A webhook that hangs holds no pool thread, and ticks do not pile up on it.
-        _engine_or_give_back().tick(wait_for_notifiers=False)
+        _engine_or_give_back(self).tick(wait_for_notifiers=False)
 
 
 @_task("agentruns.recover", throws=_OUTAGE_THROWS)
 def recover(self: Any) -> list[str]:
     """Requeue interrupted, orphaned and long-queued runs; returns their ids."""
     with _outage_in_one_line("recover could not sweep"):
-        requeued = _engine_or_give_back().recover()
+        requeued = _engine_or_give_back(self).recover()
     if requeued:
         log.info("recover requeued %d run(s)", len(requeued))  # each said why
     return requeued

@@ -43,12 +43,16 @@ _slots: int | None = None  # the pool's concurrency, once the worker knows it
 _shutting_down = threading.Event()
 
 
-def get_engine() -> Engine:
-    """This process's engine, built from settings on first use."""
+def get_engine(app: Any = None) -> Engine:
+    """This process's engine, built from settings on first use. ``app`` is the Celery
+    app whose worker runs here (a team's own app that includes ``agentruns.tasks``):
+    the engine sends its executions through it, to the queues its worker consumes,
+    and takes its leases from its broker's Redis unless ``AGENTRUNS_REDIS_URL`` says
+    otherwise. By default, ``agentruns.celery.app``."""
     global _engine
     with _engine_lock:
         if _engine is None:
-            _engine = _build_engine()
+            _engine = _build_engine(app)
         return _engine
 
 
@@ -57,15 +61,20 @@ def shutting_down() -> bool:
     return _shutting_down.is_set()
 
 
-def _build_engine() -> Engine:
-    from agentruns.celery import app
+def _build_engine(app: Any = None) -> Engine:
     from agentruns.engine import Engine
-    from agentruns.leases import RedisLeases
+    from agentruns.leases import LocalLeases, RedisLeases
     from agentruns.schedulers.celery import CeleryScheduler
 
+    if app is None:
+        from agentruns.celery import app
     settings = get_settings()
     overrides: dict[str, Any] = {"scheduler": CeleryScheduler(app)}
-    if settings.redis_url is None:
+    if settings.redis_url is None and app.conf.task_always_eager:
+        # Every task runs in its caller (a team's tests): nothing but this process
+        # holds a run, and the app's broker may be none (memory://).
+        overrides["leases"] = LocalLeases()
+    elif settings.redis_url is None:
         # Leases must be shared by every worker: without AGENTRUNS_REDIS_URL, use
         # the broker's Redis rather than the in-process leases of the embedded mode.
         broker = str(app.conf.broker_url or "")
@@ -115,7 +124,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
         # This process runs the tasks. Fail loudly at start (unmigrated database,
         # unknown agent module), not per task; tasks try again until it works.
         try:
-            get_engine()
+            get_engine(getattr(sender, "app", None))
         except Exception as exc:
             if is_outage(exc):  # one line, as each sweep says it
                 log.warning(

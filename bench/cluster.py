@@ -90,7 +90,15 @@ class Cluster:
     process logs to ``logdir``; ``stop()`` ends every one of them.
     """
 
-    def __init__(self, env: dict[str, str], queue: str, logdir: Path, cwd: Path = ROOT) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        queue: str,
+        logdir: Path,
+        cwd: Path = ROOT,
+        app: str = "agentruns",
+    ) -> None:
+        self.app = app  # the Celery app (-A) its processes run
         self.queue = queue
         self.logdir = logdir
         self.env = env
@@ -101,7 +109,7 @@ class Cluster:
         log = self.logdir / f"{name}.log"
         with open(log, "wb") as out:
             popen = subprocess.Popen(
-                [CELERY, "-A", "agentruns", *args],
+                [CELERY, "-A", self.app, *args],
                 cwd=self.cwd,
                 env=self.env,
                 stdout=out,

@@ -239,7 +239,7 @@ def test_an_eager_task_runs_here_and_sends_nothing(
         def tick(self, *, wait_for_notifiers: bool = True) -> None:
             ticked.append(wait_for_notifiers)
 
-    monkeypatch.setattr(tasks, "get_engine", Engine)
+    monkeypatch.setattr(tasks, "get_engine", lambda app: Engine())
     monkeypatch.setitem(tasks.app.conf, "task_always_eager", True)
     trips = RoundTrips(monkeypatch)
     result = tasks.tick.delay()
@@ -259,7 +259,7 @@ def test_an_eager_app_runs_the_executions_its_scheduler_sends_here(
         "asks", ScriptedModel([tool_use("publish", {"text": "hi"}), text("Done.")]), tools=[publish]
     )
     engine = make_engine([asks], scheduler=CeleryScheduler(tasks.app))
-    monkeypatch.setattr(tasks, "get_engine", lambda: engine)  # the worker's engine
+    monkeypatch.setattr(tasks, "get_engine", lambda app: engine)  # the worker's engine
     monkeypatch.setitem(tasks.app.conf, "task_always_eager", True)
     first = engine.get_run(tasks.dispatch.delay("asks", trigger({}), thread="t").get())
     assert first.status is RunStatus.WAITING
@@ -283,7 +283,7 @@ def test_an_eager_line_of_runs_runs_to_its_end_without_nesting_each_in_the_last(
     )
     quick = Agent("quick", ScriptedModel([text("ok")]))
     engine = make_engine([asks, quick], scheduler=CeleryScheduler(tasks.app))
-    monkeypatch.setattr(tasks, "get_engine", lambda: engine)  # the worker's engine
+    monkeypatch.setattr(tasks, "get_engine", lambda app: engine)  # the worker's engine
     monkeypatch.setitem(tasks.app.conf, "task_always_eager", True)
     first = engine.dispatch("asks", trigger({}), thread="t")
     assert engine.get_run(first.id).status is RunStatus.WAITING
@@ -306,7 +306,7 @@ def test_a_teams_own_eager_app_runs_the_executions_its_tasks_schedule_here(
         "asks", ScriptedModel([tool_use("publish", {"text": "hi"}), text("Done.")]), tools=[publish]
     )
     engine = make_engine([asks], scheduler=CeleryScheduler(tasks.app))
-    monkeypatch.setattr(tasks, "get_engine", lambda: engine)  # the worker's engine
+    monkeypatch.setattr(tasks, "get_engine", lambda app: engine)  # the worker's engine
     team = Celery("team", set_as_current=False)
     team.conf.update(task_always_eager=True, broker_url=REDIS_URL, task_default_queue=queue)
     first = engine.get_run(team.tasks[tasks.dispatch.name].delay("asks", trigger({})).get())
@@ -314,6 +314,40 @@ def test_a_teams_own_eager_app_runs_the_executions_its_tasks_schedule_here(
     team.tasks[tasks.resume.name].delay(engine.approval_token(first.id), approved=True)
     assert engine.get_run(first.id).status is RunStatus.COMPLETED
     assert _queued_ids(queue) == []
+
+
+def test_a_teams_own_eager_app_without_redis_runs_its_tasks_in_the_caller(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A team's tests: its own app, eager, on no broker (memory://) and no Redis. The
+    worker's engine took its leases from agentruns' app's broker (localhost's Redis),
+    and sent its executions through that app, not eager: the run stayed queued."""
+    from agentruns import tasks, worker
+    from agentruns.migrate import migrate
+    from agentruns.settings import get_settings
+
+    url = f"sqlite:///{tmp_path / 'team.db'}"
+    migrate(url)
+    for name in ("AGENTRUNS_REDIS_URL", "AGENTRUNS_BROKER_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AGENTRUNS_DATABASE_URL", url)
+    monkeypatch.setenv("AGENTRUNS_AGENTS", "tests.support.agents")
+    monkeypatch.setenv("AGENTRUNS_SECRET", "team-secret")
+    monkeypatch.setenv("AGENTRUNS_BROKER_URL", "redis://127.0.0.1:1/0")  # nothing there
+    get_settings.cache_clear()
+    monkeypatch.setattr(worker, "_engine", None)
+    team = Celery("team", broker="memory://", set_as_current=False)
+    team.conf.task_always_eager = True
+    try:
+        run_id = team.tasks[tasks.dispatch.name].delay("pager", trigger({})).get()
+        engine = worker.get_engine(team)
+        assert engine.get_run(run_id).status is RunStatus.WAITING
+        team.tasks[tasks.resume.name].delay(engine.approval_token(run_id), True).get()
+        assert engine.get_run(run_id).status is RunStatus.COMPLETED
+    finally:
+        if worker._engine is not None:
+            worker._engine.close()
+        get_settings.cache_clear()
 
 
 def test_an_eager_task_fails_on_an_outage_instead_of_retrying_in_itself(
@@ -324,7 +358,7 @@ def test_an_eager_task_fails_on_an_outage_instead_of_retrying_in_itself(
     from agentruns import tasks
     from agentruns.errors import NotMigratedError
 
-    def engine() -> Engine:  # the worker's engine, on a database never migrated
+    def engine(app: Any) -> Engine:  # the worker's engine, on a database never migrated
         return Engine(SqlStore(f"sqlite:///{tmp_path / 'new.db'}"), secret="s")
 
     monkeypatch.setattr(tasks, "get_engine", engine)
@@ -337,15 +371,19 @@ def test_an_eager_task_fails_on_an_outage_instead_of_retrying_in_itself(
 def test_a_dispatch_that_fails_inside_a_callers_batch_leaves_the_rest_of_it(
     queue: str,
 ) -> None:
-    """A trigger that is not JSON fails its own dispatch; the caller's batch still
+    """Arguments that are not JSON fail their own dispatch; the caller's batch still
     sends the dispatches around it (kombu's nested batches would abort it all)."""
     from kombu.exceptions import EncodeError
 
+    from agentruns.errors import InvalidTriggerError
     from agentruns.tasks import dispatch
 
     with dispatch.app.producer_or_acquire() as producer, producer.batch():
         before = dispatch.apply_async(("quick", trigger({})), producer=producer).id
         with pytest.raises(EncodeError):
+            key = {"idempotency_key": object()}
+            dispatch.apply_async(("quick", trigger({})), key, producer=producer)
+        with pytest.raises(InvalidTriggerError):  # refused before it is encoded
             dispatch.apply_async(("quick", trigger({"at": object()})), producer=producer)
         after = dispatch.apply_async(("quick", trigger({})), producer=producer).id
     assert _queued_ids(queue)[::-1] == [before, after]

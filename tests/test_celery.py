@@ -1040,6 +1040,53 @@ def test_producer_messages_retry_an_outage_for_as_long_as_it_lasts() -> None:
     assert cancel.max_retries is None
 
 
+TEAM_APP = """
+from celery import Celery
+
+app = Celery("teamapp", broker={broker!r}, include=["agentruns.tasks"])
+app.conf.update(task_default_queue={queue!r}, task_serializer="json", result_backend=None)
+"""
+
+
+def test_a_teams_own_app_sends_its_workers_executions_to_its_own_queue(
+    cluster: Cluster, engine: Engine, tmp_path: Path
+) -> None:
+    # Its worker's engine sent the execution after an approval (and every other one)
+    # through agentruns' own app, to AGENTRUNS_QUEUE, which no worker of the team's
+    # consumed: the run stayed queued, unsaid.
+    from celery import Celery
+
+    from agentruns.tasks import dispatch, resume
+
+    theirs = f"{cluster.queue}.team"
+    app_dir = tmp_path / "team"
+    app_dir.mkdir()
+    (app_dir / "teamapp.py").write_text(TEAM_APP.format(broker=REDIS_URL, queue=theirs))
+    env = {**cluster.env, "PYTHONPATH": f"{app_dir}{os.pathsep}{ROOT}"}
+    team_cluster = BaseCluster(env, theirs, tmp_path, cwd=app_dir, app="teamapp")
+    team = Celery("team", broker=REDIS_URL, set_as_current=False)
+    team.conf.task_default_queue = theirs
+    try:
+        team_cluster.workers("team-w1")
+        sent = team.tasks[dispatch.name].delay("asker", trigger({}), idempotency_key="team")
+        assert sent.id
+        waiting = wait_for(
+            lambda: next(
+                (r for r in engine.list_runs(status=RunStatus.WAITING) if r.agent == "asker"),
+                None,
+            ),
+            "the run to wait for its approval",
+        )
+        team.tasks[resume.name].delay(engine.approval_token(waiting.id), True)
+        wait_for(
+            lambda: engine.get_run(waiting.id).status is RunStatus.COMPLETED or None,
+            "the approved run to complete",
+        )
+    finally:
+        team_cluster.stop(graceful=False)
+        forget_queue(theirs, REDIS_URL)
+
+
 def test_a_teams_own_app_runs_agentruns_tasks_with_their_delivery_options() -> None:
     # Its settings are Celery's defaults (acks early, results kept): a message its
     # worker lost mid-task was a lost run. (The tasks are shared: every app gets them.)

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -45,6 +46,7 @@ from agentruns.recovery import held_until
 from agentruns.runs import utcnow
 from agentruns.schedulers import ManualScheduler
 from agentruns.settings import Settings
+from agentruns.store.base import Commit, Guard
 from tests.conftest import REDIS_URL, wait_for
 from tests.support.proxy import Proxy
 from workers import triage
@@ -350,6 +352,30 @@ def test_show_and_cancel_say_when_no_worker_holds_a_running_run(
     engine.close()
     code, out, _ = cli("cancel", run.id)
     assert code == 0 and "no worker holds it now" in out
+
+
+def test_cancel_does_not_take_a_run_its_owner_stopped_meanwhile_for_an_orphan(cli: Cli) -> None:
+    # Its owner stopped the run and let its lease go between the cancel and the look
+    # at the lease: `cancel` said "no worker holds it now (its worker died ...)".
+    from agentruns.cli.commands import _unheld
+
+    leases = RedisLeases(REDIS_URL, prefix=f"t{uuid.uuid4().hex[:8]}")
+    engine = Engine(
+        SqlStore(cli.url),
+        leases=leases,
+        scheduler=ManualScheduler(),
+        agents=[triage.make_agent(triage.scripted_model())],
+        secret="s",
+    )
+    run = engine.dispatch("triage", {"source": "t", "trigger": "t", "payload": REPORT})
+    claimed = engine.store.claim(run.id, "owner:1", utcnow() + timedelta(seconds=30))
+    assert claimed is not None
+    assert engine.cancel(run.id).status is RunStatus.RUNNING
+    assert _unheld(engine, run.id) is True  # running, and no lease: an orphan
+    stopped = Commit(status=RunStatus.CANCELLED, release_claim=True)
+    engine.store.commit(claimed.run, Guard(status=RunStatus.RUNNING, epoch=claimed.epoch), stopped)
+    assert _unheld(engine, run.id) is False
+    engine.close()
 
 
 def test_recover_continues_an_interrupted_run(cli: Cli) -> None:
@@ -963,12 +989,14 @@ def test_dispatch_and_retry_take_a_budget(cli: Cli) -> None:
     ):
         assert said in cli.fails(2, "retry", run["id"], "--budget", bad)
     code, out, _ = cli("show", run["id"])
-    assert f"""retry: agentruns retry {run["id"]} --budget '{{"max_steps": 2}}'""" in out
-    # A retry's budget below what the run used: the hint is twice the use, not the limit.
+    # Room for more than one step: 2, one more, failed the scripted triage again
+    # after the approval its second step asks.
+    assert f"""retry: agentruns retry {run["id"]} --budget '{{"max_steps": 11}}'""" in out
+    # A retry's budget below what the run used: the hint is from the use, not the limit.
     cli("retry", run["id"], "--budget", '{"max_steps": 5, "max_tokens": 10}')
     code, out, _ = cli("show", run["id"])
     assert "token_budget_exceeded: the run used 480 of 10 tokens" in out
-    assert f"""retry: agentruns retry {run["id"]} --budget '{{"max_tokens": 960}}'""" in out
+    assert f"""retry: agentruns retry {run["id"]} --budget '{{"max_tokens": 10480}}'""" in out
     code, out, _ = cli(
         "--json", "retry", run["id"], "--budget", '{"max_steps": 5, "max_tokens": 200000}'
     )

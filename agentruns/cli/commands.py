@@ -313,6 +313,9 @@ def _unheld(engine: Engine, run_id: str) -> bool | None:
     if getattr(engine.leases, "process_local", False):
         return None
     try:
-        return engine.leases.holder(run_id) is None
+        if engine.leases.holder(run_id) is not None:
+            return False
+        # Its owner may have stopped it since the cancel, and let its lease go.
+        return engine.get_run(run_id).status is RunStatus.RUNNING
     except Exception:
         return False  # Redis down: say what is most likely

@@ -210,13 +210,14 @@ def _raised(run: Run) -> str:
     """The ``--budget`` a retry of a run failed on its budget needs to go on."""
     budget = run.budget
     code = run.error.code if run.error is not None else None
-    # Twice the limit, or what the run used if more (a limit a retry set below it).
+    # Twice the limit, or what the run used if more (a limit a retry set below it),
+    # and room for a few more steps past a small one (1 step: 2 was one call more).
     if code == "step_budget_exceeded":
         steps = max(budget.max_steps if budget is not None else 0, run.steps_used)
-        return f" --budget '{{\"max_steps\": {2 * steps}}}'"
+        return f" --budget '{{\"max_steps\": {max(2 * steps, steps + 10)}}}'"
     if code == "token_budget_exceeded":
         tokens = max((budget.max_tokens or 0) if budget is not None else 0, run.usage.total_tokens)
-        return f" --budget '{{\"max_tokens\": {2 * tokens}}}'"
+        return f" --budget '{{\"max_tokens\": {max(2 * tokens, tokens + 10_000)}}}'"
     return ""
 
 

@@ -11,12 +11,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 
 from agentruns.leases import Leases, LocalLeases, RedisLeases
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, wait_for
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -243,6 +244,25 @@ def test_abort_listener_resubscribes_after_its_connection_is_killed(prefix: str)
     for made in (listening, publishing):
         made.close()
     admin.close()
+
+
+def test_the_abort_listener_says_an_outage_once_and_that_it_is_back(
+    private_redis: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    # It said "abort listener lost Redis" every 2 s for as long as Redis was down,
+    # in every process, and never that it was back.
+    leases = RedisLeases(private_redis.url)
+    handler, _ = collector()
+    leases.on_abort_request(handler)
+    caplog.set_level(logging.WARNING, logger="agentruns.leases.redis")
+    private_redis.kill()
+    time.sleep(5)  # retries at 0.1, 0.2, 0.4, 0.8, 1.6, 2 s...
+    private_redis.start()
+    said = lambda: [r.getMessage() for r in caplog.records]  # noqa: E731
+    wait_for(lambda: "abort listener reconnected to Redis" in said() or None, "the reconnect")
+    lost = [m for m in said() if m.startswith("abort listener lost Redis")]
+    assert len(lost) == 1, said()
+    leases.close()
 
 
 def test_commands_against_an_unreachable_redis_raise_redis_errors(prefix: str) -> None:

@@ -119,6 +119,7 @@ class RedisLeases:
 
     def _listen(self) -> None:
         backoff = _BACKOFF_MIN_S
+        lost = False  # said once per outage, with its traceback; then that it is back
         while not self._stopping.is_set():
             pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]  # untyped in redis-py
             try:
@@ -130,16 +131,21 @@ class RedisLeases:
                     if message["type"] == "subscribe":
                         self._subscribed.set()
                         backoff = _BACKOFF_MIN_S
+                        if lost:
+                            logger.warning("abort listener reconnected to Redis")
+                            lost = False
                     elif message["type"] == "message":
                         self._handlers.call(_text(message["data"]))
             except (redis.RedisError, OSError):
                 self._subscribed.clear()
-                # The traceback once per outage, not once per retry.
-                logger.warning(
+                # Once per outage, not once per retry (every 2 s, in every process).
+                logger.log(
+                    logging.DEBUG if lost else logging.WARNING,
                     "abort listener lost Redis; reconnecting in %.1fs",
                     backoff,
-                    exc_info=backoff == _BACKOFF_MIN_S,
+                    exc_info=not lost,
                 )
+                lost = True
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)
             finally:

@@ -39,7 +39,7 @@ beat: setup
 	$(BIN)/celery -A agentruns beat --loglevel=INFO
 
 flower: setup
-	$(BIN)/celery -A agentruns flower
+	$(BIN)/celery -A agentruns flower --address=127.0.0.1
 
 bench: setup services
 	$(BIN)/python -m bench $(BENCH_ARGS)

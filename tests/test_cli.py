@@ -210,6 +210,7 @@ def test_runs_lists_newest_first_and_filters(cli: Cli) -> None:
     assert code == 0
     header, *rows = out.strip().splitlines()
     assert header.split()[:3] == ["ID", "AGENT", "STATUS"]
+    assert "MODEL STEPS" in header  # its count, not show's step rows
     assert rows[0].startswith(done) and rows[1].startswith(waiting)
     assert [r["id"] for r in cli.json("runs", "--status", "waiting")["runs"]] == [waiting]
     assert [r["id"] for r in cli.json("runs", "--limit", "1")["runs"]] == [done]

@@ -99,7 +99,7 @@ def runs_table(runs: Sequence[Run]) -> str:
         ]
         for r in runs
     ]
-    return table(rows, ["id", "agent", "status", "steps", "tokens", "created", "age/took"])
+    return table(rows, ["id", "agent", "status", "model steps", "tokens", "created", "age/took"])
 
 
 def step_detail(step: Step) -> str:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -68,6 +68,8 @@ class Agent:
                 f" not {model!r}"
             )
         self.model = model
+        if instructions is None:
+            instructions = ""
         if not isinstance(instructions, str) and not callable(instructions):
             raise TypeError(
                 f"agent {name!r}: instructions are text or a function of the run's context,"
@@ -105,7 +107,7 @@ class Agent:
             raise TypeError(f"agent {name!r}: state must be a pydantic model class, not {state!r}")
         self.state = state
         self._tools = tools
-        if isinstance(tools, str | bytes) or not (callable(tools) or isinstance(tools, Sequence)):
+        if isinstance(tools, str | bytes) or not (callable(tools) or isinstance(tools, Iterable)):
             raise TypeError(
                 f"agent {name!r}: tools are a list of tools or functions, or a function of"
                 f" the run's context, not {tools!r}"

@@ -134,9 +134,9 @@ class Approvals:
         wait = run.waiting
         assert wait is not None and wait.tool_call_id is not None
         stored = engine.store.pending(run.id)
-        if stored is not None and not isinstance(stored, dict):
-            damaged = f"run {run.id}'s row: its pending is not a valid object ({stored!r:.80})"
-            return self._fail_damaged(run, damaged)
+        problem = pending_.damaged(stored)
+        if problem is not None:
+            return self._fail_damaged(run, f"run {run.id}'s row: its pending {problem}")
         pending = dict(stored or {})
         asked_again = pending_.unknown(pending.get(wait.tool_call_id))
         denied = None if approved else _denial(reason, asked_again)

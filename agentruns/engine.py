@@ -84,6 +84,7 @@ class Engine:
         requeue_after: float = 60.0,
         on_error: Callable[[Exception], None] | None = None,
     ) -> None:
+        agents = list(agents)  # a generator, read once
         for agent in agents:  # before the store is opened
             _an_agent(agent)
         if slots < 1 or not all(0 < t <= MAX_SECONDS for t in (lease_ttl, requeue_after)):

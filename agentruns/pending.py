@@ -40,6 +40,19 @@ def approved(unknown: bool) -> Entry:
     return {"status": APPROVED, "unknown": unknown}
 
 
+def damaged(pending: Any) -> str | None:
+    """What makes a stored map unreadable (edited by hand), or None: not an object,
+    or an entry that is not an object with a status."""
+    if pending is None:
+        return None
+    if not isinstance(pending, dict):
+        return f"is not a valid object ({pending!r:.80})"
+    for call_id, entry in pending.items():
+        if not isinstance(entry, dict) or not isinstance(entry.get("status"), str):
+            return f"has an entry for {call_id} that is not a valid one ({entry!r:.80})"
+    return None
+
+
 def status(entry: Entry | None) -> str | None:
     return None if entry is None else str(entry["status"])
 

@@ -75,8 +75,9 @@ class Tool:
             raise TypeError(f"a tool is a function, not {fn!r}")
         if on_unknown not in ("retry", "approve", "fail"):
             raise ValueError(f"on_unknown must be retry, approve or fail, not {on_unknown!r}")
-        if not isinstance(effect, bool):
+        if not isinstance(effect, int):  # True, False, or 1 and 0
             raise TypeError(f"effect must be True or False, not {effect!r}")
+        effect = bool(effect)
         if on_unknown != "retry" and not effect:
             # Only an effect tool's call is recorded, and so can have an unknown outcome.
             raise ValueError(f"on_unknown={on_unknown!r} is for effect tools: add effect=True")

@@ -727,7 +727,8 @@ def test_pause_turn_continues_with_the_assistant_content_and_merges_the_turn(
     assert second.body["system"] == first.body["system"]
 
 
-@pytest.mark.parametrize("then", ["refused", "cut"])
+@pytest.mark.parametrize("then", ["refused", "cut", "uncountable", "cut and uncountable"])
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the SDK's, as it builds the message
 def test_a_paused_turns_tokens_count_when_its_continuation_fails(
     fake: FakeAnthropic, then: str
 ) -> None:
@@ -735,13 +736,26 @@ def test_a_paused_turns_tokens_count_when_its_continuation_fails(
     if then == "refused":
         fake.push(paused, error(400, message="bad continuation"))
         spent = Usage(input_tokens=5000, output_tokens=300)
-    else:
+    elif then == "cut":
         cut = tool_use("search_issues", partial_json='{"query": "cra"')
         fake.push(paused, reply(cut, usage=usage(3000, 50)))
         spent = Usage(input_tokens=8000, output_tokens=350)
+    else:
+        # Its continuation's usage holds no count: the paused turn's tokens were lost
+        # with it, and a cut input was said as the count's problem.
+        block = (
+            tool_use("search_issues", partial_json='{"query": "cra"')
+            if "cut" in then
+            else text("x")
+        )
+        odd = {**usage(3000, 50), "input_tokens": 2.5}
+        fake.push(paused, reply(block, usage=odd))  # type: ignore[arg-type]
+        spent = Usage(input_tokens=5000, output_tokens=300)
     with pytest.raises(ModelError) as err:
         make_model(fake).complete(request(), threading.Event())
     assert err.value.usage == spent
+    if "cut" in then:
+        assert "'search_issues' is not complete JSON" in str(err.value), err.value
 
 
 def test_refusal_fails_with_model_error_and_the_tokens_it_spent(fake: FakeAnthropic) -> None:

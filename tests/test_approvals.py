@@ -213,9 +213,21 @@ def test_expired_token_is_refused_and_tick_denies_the_expired_wait(
     assert len([s for s in engine.steps(run.id) if s.kind == "wait"]) == 1
 
 
+@pytest.mark.parametrize(
+    ("damage", "said"),
+    [
+        ('"text"', "its pending is not a valid object ('text')"),
+        ('{"x": "garbage"}', "its pending has an entry for x that is not a valid one ('garbage')"),
+    ],
+)
 @pytest.mark.parametrize("answer", ["resume", "expire"])
 def test_a_waiting_run_whose_pending_answers_are_damaged_fails_when_answered(
-    make_engine: EngineFactory, calls: Calls, monkeypatch: pytest.MonkeyPatch, answer: str
+    make_engine: EngineFactory,
+    calls: Calls,
+    monkeypatch: pytest.MonkeyPatch,
+    answer: str,
+    damage: str,
+    said: str,
 ) -> None:
     # resume raised a bare TypeError (not an AgentrunsError), and tick sent it to
     # on_error on every sweep, the run waiting for good.
@@ -226,7 +238,7 @@ def test_a_waiting_run_whose_pending_answers_are_damaged_fails_when_answered(
     with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
         conn.execute(
             sa.text("UPDATE agentruns_runs SET pending = :value WHERE id = :id"),
-            {"value": '"text"', "id": run.id},
+            {"value": damage, "id": run.id},
         )
     if answer == "resume":
         failed = engine.resume(token, approved=True)
@@ -238,7 +250,7 @@ def test_a_waiting_run_whose_pending_answers_are_damaged_fails_when_answered(
         failed = engine.get_run(run.id)
     assert failed.status is RunStatus.FAILED and failed.waiting is None
     assert failed.error is not None and failed.error.code == "invalid_checkpoint"
-    assert "its pending is not a valid object ('text')" in failed.error.message
+    assert said in failed.error.message
     assert engine.get_run(run.id) == failed
     with pytest.raises(InvalidTokenError):
         engine.resume(token, approved=True)

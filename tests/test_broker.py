@@ -350,6 +350,30 @@ def test_a_teams_own_eager_app_without_redis_runs_its_tasks_in_the_caller(
         get_settings.cache_clear()
 
 
+def test_executions_scheduled_inside_a_teams_task_go_through_the_teams_app(queue: str) -> None:
+    """An engine built on agentruns' app (its first caller asked for none) sent the
+    executions it scheduled in a team's worker to AGENTRUNS_QUEUE, which no worker of
+    the team's consumes. They follow the app of the task they are scheduled in."""
+    from celery._state import _task_stack
+
+    from agentruns import tasks
+
+    theirs = f"{queue}.team"
+    team = Celery("team", broker=REDIS_URL, set_as_current=False)
+    team.conf.task_default_queue = theirs
+    scheduler = CeleryScheduler(tasks.app)
+    try:
+        scheduler.schedule("outside")  # in no task: the scheduler's own app
+        _task_stack.push(team.tasks[tasks.execute.name])  # as its worker runs it
+        try:
+            scheduler.schedule("inside")
+        finally:
+            _task_stack.pop()
+        assert len(_queued_ids(queue)) == 1 and len(_queued_ids(theirs)) == 1
+    finally:
+        forget_queue(theirs, REDIS_URL)
+
+
 def test_an_eager_task_fails_on_an_outage_instead_of_retrying_in_itself(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1703,6 +1703,14 @@ def test_a_drained_thread_run_goes_first_again_and_its_thread_keeps_its_order(
     assert r2_done.output == "answered 2 questions"
 
 
+def test_an_engines_agents_may_come_from_a_generator(sqlite_url: str) -> None:
+    # The check of each agent used the generator up: the engine had no agents.
+    agents = (Agent(name, ScriptedModel([text("ok")])) for name in ("a", "b"))
+    engine = Engine(SqlStore(sqlite_url), leases=LocalLeases(), agents=agents, secret="s")
+    assert sorted(engine.agents) == ["a", "b"]
+    engine.close()
+
+
 def test_a_listener_that_is_not_a_function_is_refused(make_engine: EngineFactory) -> None:
     # Taken, it made every event report a TypeError to on_error.
     engine = make_engine([])
@@ -2316,6 +2324,7 @@ def test_a_corrupt_checkpoint_fails_the_run_and_the_engine_goes_on(
         # update sequence...), for an agent with no state model too.
         ("state", "[1, 2]"),
         ("pending", '"text"'),
+        ("pending", '{"call": 7}'),
     ],
 )
 def test_a_run_row_damaged_by_hand_is_read_listed_and_failed_once(
@@ -2356,7 +2365,7 @@ def _a_damaged_row_is_read_listed_and_failed_once(
     failed = worker.execute(damaged.id)
     assert failed.status is RunStatus.FAILED
     assert failed.error is not None and failed.error.code == "invalid_checkpoint"
-    assert f"its {column} is not a valid" in failed.error.message
+    assert f"its {column} " in failed.error.message and "not a valid" in failed.error.message
     assert worker.get_run(damaged.id).status is RunStatus.FAILED
     assert worker.idle(10)  # its key is free: the run behind it was scheduled
     assert worker.get_run(behind.id).status is RunStatus.COMPLETED

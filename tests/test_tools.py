@@ -186,10 +186,15 @@ def test_agent_and_tool_definitions_that_would_fail_every_run_are_refused_when_m
     for make, error, said in refused:
         with pytest.raises(error, match=re.escape(said)):
             make()
-    # What is fine stays fine.
+    # What is fine stays fine (the first version refused some of these).
     Agent("a", model, tools=[look], state=Notes, concurrency_key="k", notifier=print)
     Agent("a", model, tools=lambda ctx: [look, look])  # a function's tools: checked per run
     tool(effect=True, on_unknown="fail", needs_approval=lambda args, ctx: True)(look)
+    registry = {"look": look}
+    for tools in (registry.values(), {look}, (t for t in [look])):
+        assert [t.name for t in Agent("a", model, tools=tools).tools_for(None)] == ["look"]  # type: ignore[arg-type]
+    assert Agent("a", model, instructions=None).system_prompt(None) == ""  # type: ignore[arg-type]
+    assert tool(effect=1)(look).effect is True  # type: ignore[call-overload]
 
 
 def test_an_agent_name_no_store_holds_as_it_is_is_refused_when_the_agent_is_made(

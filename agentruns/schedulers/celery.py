@@ -36,19 +36,29 @@ class CeleryScheduler:
             self._app = app
         return self._app
 
+    def _sending_app(self) -> Any:
+        """The app of the task this is called in, if any (a team's own app's worker,
+        or its eager tests): its executions go where that app's workers look. Else
+        this scheduler's."""
+        from celery import current_task
+
+        task = current_task._get_current_object()
+        return task.app if task is not None else self.app
+
     def bind(self, execute: Callable[[str], object], slots: int) -> None:
         pass  # executions happen in workers, through the task
 
     def schedule(self, run_id: str) -> None:
         from agentruns.broker import send_together
 
-        if self.app.conf.task_always_eager or _inside_an_eager_task():
-            self._execute_here(run_id)
+        app = self._sending_app()
+        if app.conf.task_always_eager or _inside_an_eager_task():
+            self._execute_here(app, run_id)
             return
         try:
             send_together(
-                self.app,
-                lambda producer, task_id: self.app.send_task(
+                app,
+                lambda producer, task_id: app.send_task(
                     self._task_name, args=[run_id], task_id=task_id, producer=producer
                 ),
             )
@@ -62,32 +72,32 @@ class CeleryScheduler:
                 exc_info=True,
             )
 
-    def _execute_here(self, run_id: str) -> None:
+    def _execute_here(self, app: Any, run_id: str) -> None:
         """With ``task_always_eager`` (a team's test settings), the execution runs now,
         in this process, as every other task does: sent by name, it would wait in the
         broker for a worker nobody started, and the run would stay queued. (Nested
         deeper than ``_MOST_NESTED``, it runs once the outermost one returns.)"""
         depth: int = getattr(_eager, "depth", 0)
         if depth >= _MOST_NESTED:
-            _eager.later.append((self, run_id))
+            _eager.later.append((self, app, run_id))
             return
         if depth == 0:
             _eager.later = []
         _eager.depth = depth + 1
         try:
-            self._apply(run_id)
+            self._apply(app, run_id)
             while depth == 0 and _eager.later:
-                scheduler, later_id = _eager.later.pop(0)
-                scheduler._apply(later_id)
+                scheduler, later_app, later_id = _eager.later.pop(0)
+                scheduler._apply(later_app, later_id)
         finally:
             _eager.depth = depth
 
-    def _apply(self, run_id: str) -> None:
+    def _apply(self, app: Any, run_id: str) -> None:
         import agentruns.tasks  # noqa: F401  (the task, registered on every app)
 
         try:
             # Its failure is the run's, not that of the call that scheduled it.
-            result = self.app.tasks[self._task_name].apply(args=[run_id], throw=False)
+            result = app.tasks[self._task_name].apply(args=[run_id], throw=False)
         except Exception:
             log.warning("could not run %s for run %s", self._task_name, run_id, exc_info=True)
             return
@@ -101,9 +111,10 @@ class CeleryScheduler:
         """Messages in the queue that executions go to (one round trip to the broker)."""
         from amqp.exceptions import ChannelError
 
-        queue = self.app.amqp.router.route({}, self._task_name, (), {})["queue"]
+        app = self._sending_app()
+        queue = app.amqp.router.route({}, self._task_name, (), {})["queue"]
         try:
-            with self.app.connection_for_write() as conn:
+            with app.connection_for_write() as conn:
                 _, count, _ = conn.default_channel.queue_declare(queue=queue.name, passive=True)
         except ChannelError:
             return 0  # never declared: nothing was ever sent to it

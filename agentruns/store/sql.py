@@ -17,6 +17,7 @@ from psycopg.errors import LockNotAvailable
 from sqlalchemy.engine import Connection, RowMapping
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
+from agentruns import pending as pending_
 from agentruns.errors import (
     InvalidCheckpointError,
     LeaseLostError,
@@ -326,12 +327,15 @@ class SqlStore:
     def _transcript_of(
         row: RowMapping | dict[str, Any], messages: list[Any], damaged: str | None = None
     ) -> Transcript:
-        for column in ("state", "pending"):  # JSON objects, unless edited by hand
-            value = row[column]
-            if damaged is None and value is not None and not isinstance(value, dict):
-                damaged = (
-                    f"run {row['id']}'s row: its {column} is not a valid object ({value!r:.80})"
-                )
+        # JSON objects, unless edited by hand.
+        state = row["state"]
+        problem = pending_.damaged(row["pending"])
+        if state is not None and not isinstance(state, dict):
+            problem = f"state is not a valid object ({state!r:.80})"
+        elif problem is not None:
+            problem = f"pending {problem}"
+        if damaged is None and problem is not None:
+            damaged = f"run {row['id']}'s row: its {problem}"
         return Transcript(
             messages=messages,
             checkpoint_messages=row["checkpoint_messages"] or 0,

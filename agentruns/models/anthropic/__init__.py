@@ -132,11 +132,11 @@ class AnthropicModel:
             try:
                 marked = _with_cache_marks(turn, marks)
                 message = self._call(client, {**params, "messages": marked}, signal)
+                usage = usage + _usage(message)
             except ModelError as exc:
                 # The paused turns before it were answered, and counted by the provider.
                 exc.usage = usage + (exc.usage or Usage())
                 raise
-            usage = usage + _usage(message)
             raw += [block.model_dump(mode="json", exclude_none=True) for block in message.content]
             content += _content(message)
             if message.stop_reason != "pause_turn":
@@ -211,7 +211,11 @@ class AnthropicModel:
         except ModelAborted:
             raise
         except CutInput as exc:
-            raise ModelError(f"malformed model reply: {exc}", _usage(exc.message)) from exc
+            try:
+                counted: Usage | None = _usage(exc.message)
+            except ModelError:
+                counted = None  # what is wrong with its input is said, not its usage's
+            raise ModelError(f"malformed model reply: {exc}", counted) from exc
         except (NotAStream, NotAMessage) as exc:
             raise ModelError(f"malformed model reply: {exc}") from exc
         except Exception as exc:

@@ -382,14 +382,12 @@ class Execution:
                 f"malformed model reply: the model returned {type(response).__name__},"
                 " not a ModelResponse"
             )
-        problem = (
-            replies.malformed(response)
-            or replies.called_before(response, self._call_ids)
-            or replies.uncountable(self.run.usage, replies.usage_of(response))
+        problem = replies.malformed(response) or replies.uncountable(
+            self.run.usage, replies.usage_of(response)
         )
         if problem:
             self._fail_model(f"malformed model reply: {problem}", replies.usage_of(response))
-        return replies.without_blank_text(response)
+        return replies.with_new_ids(replies.without_blank_text(response), self._call_ids)
 
     def _fail_model(self, message: str, usage: Usage | None = None) -> None:
         """Fail the run with ``model_error``; the tokens of a refused reply still count,

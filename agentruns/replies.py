@@ -80,14 +80,25 @@ def malformed(response: ModelResponse) -> str | None:
     return None
 
 
-def called_before(response: ModelResponse, earlier: set[str]) -> str | None:
-    """A call of ``response`` with the id of one of the transcript's: the provider
-    refuses a transcript that repeats an id, and an effect tool's record is kept by
-    it (the call would get the earlier call's result, and not be made)."""
-    for call in response.tool_calls:
-        if call["id"] in earlier:
-            return f"tool_use id {call['id']} is the id of an earlier call of the run"
-    return None
+def with_new_ids(response: ModelResponse, earlier: set[str]) -> ModelResponse:
+    """The reply, its calls that have the id of an earlier call of the transcript
+    (a gateway that numbers them per reply: ``call_0``) given ids of their own. The
+    provider refuses a transcript that repeats an id, and an effect tool's record is
+    kept by it: such a call got the earlier call's result, and was not made."""
+    if not any(call["id"] in earlier for call in response.tool_calls):
+        return response
+    taken = earlier | {call["id"] for call in response.tool_calls}
+    content = []
+    for block in response.content:
+        if block.get("type") == "tool_use" and block["id"] in earlier:
+            base = block["id"][: TOOL_CALL_ID_LENGTH - 12]
+            n = 2
+            while f"{base}~{n}" in taken:
+                n += 1
+            block = {**block, "id": f"{base}~{n}"}
+            taken.add(block["id"])
+        content.append(block)
+    return dataclasses.replace(response, content=content)
 
 
 def _malformed_call(block: dict[str, Any], seen: set[str]) -> str | None:

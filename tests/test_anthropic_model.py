@@ -580,7 +580,7 @@ def _text_reply(usage: dict[str, Any], output_tokens: Any = 3) -> RawReply:
     [
         ({"input_tokens": 2.5}, 3, "usage.input_tokens is 2.5, not a count"),
         ({"input_tokens": -4}, 3, "usage.input_tokens is -4, not a count"),
-        ({"input_tokens": "12"}, 3, "usage.input_tokens is '12', not a count"),
+        ({"input_tokens": "12 tokens"}, 3, "usage.input_tokens is '12 tokens', not a count"),
         (
             {"input_tokens": 1, "cache_read_input_tokens": [2]},
             3,
@@ -602,10 +602,13 @@ def test_a_stream_whose_usage_holds_no_count_fails_as_malformed_in_one_line(
     assert str(err.value) == f"malformed model reply: {said}"
 
 
-def test_a_stream_whose_counts_are_whole_floats_counts_them(fake: FakeAnthropic) -> None:
-    fake.push(_text_reply({"input_tokens": 12.0}, 3.0))
+def test_a_stream_whose_counts_are_whole_floats_or_digits_counts_them(
+    fake: FakeAnthropic,
+) -> None:
+    fake.push(_text_reply({"input_tokens": 12.0, "cache_read_input_tokens": "7"}, 3.0))
     response = make_model(fake).complete(request(), threading.Event())
     assert (response.usage.input_tokens, response.usage.output_tokens) == (12, 3)
+    assert response.usage.cache_read_input_tokens == 7
 
 
 def test_unreachable_server_fails_with_a_connection_message_after_retries() -> None:

@@ -330,6 +330,8 @@ def _usage(message: Message) -> Usage:
         count = getattr(message.usage, name, None) or 0
         if isinstance(count, float) and count.is_integer():
             count = int(count)
+        elif isinstance(count, str) and count.isascii() and count.isdigit():
+            count = int(count)  # as pydantic took it before
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
             raise ModelError(f"malformed model reply: usage.{name} is {count!r}, not a count")
         counts[name] = count

@@ -35,6 +35,9 @@ CLOCK_SKEW_S = 60.0
 
 # Beat's sweeps: the tasks beat sends, and the names of their schedule entries.
 SWEEPS = ("agentruns.tick", "agentruns.recover")
+# What goes to the sweeps' queue: the sweeps, and cancels, which waited behind the
+# whole backlog of runs (a run was done before its cancel came, under load).
+AHEAD = (*SWEEPS, "agentruns.cancel")
 
 
 def sweeps_queue(queue: str) -> str:
@@ -46,7 +49,7 @@ def _queues(queue: str) -> dict[str, Any]:
     """The queues workers consume and the sweeps' routes, for the runs' ``queue``."""
     return {
         "task_queues": [_queue(queue), _queue(sweeps_queue(queue))],
-        "task_routes": {task: {"queue": sweeps_queue(queue)} for task in SWEEPS},
+        "task_routes": {task: {"queue": sweeps_queue(queue)} for task in AHEAD},
     }
 
 
@@ -230,7 +233,7 @@ def _route_sweeps(sender: Celery, queue: str) -> Any:
         routes = {k: v for k, v in routes.items() if not (k in ours and v == ours[k])}
     theirs = Router(prepare(routes), app=sender)
     added = {}
-    for task in SWEEPS:
+    for task in AHEAD:
         try:
             routed = theirs.lookup_route(task, (), {}, {}) is not None
         except Exception:  # a router that fails here fails at the send too: ours go after it

@@ -506,6 +506,18 @@ def test_a_sweep_does_not_wait_behind_a_backlog_of_runs(
     )
     done = [engine.get_run(r.id).status for r in backlog].count(RunStatus.COMPLETED)
     assert done <= 2, f"recover ran after {done} of the backlog's 5 runs"
+    # A cancel too: it waited behind the whole backlog, and came after the run was done.
+    from agentruns.tasks import cancel
+
+    assert defaults()["task_routes"]["agentruns.cancel"] == {"queue": sweeps_queue(queue)}
+    cancel.delay(backlog[-1].id)
+    wait_for(
+        lambda: engine.get_run(backlog[-1].id).status is RunStatus.CANCELLED or None,
+        "the cancel",
+        timeout=30,
+    )
+    done = [engine.get_run(r.id).status for r in backlog].count(RunStatus.COMPLETED)
+    assert done <= 3, f"the cancel came after {done} of the backlog's 5 runs"
     # It also nudges the backlog's runs, queued for longer than REQUEUE_AFTER: let it
     # finish before the queue is emptied for the tests after this one.
     wait_for(lambda: re.search(r"agentruns\.recover\[\S+\] succeeded", worker.output()), "recover")

@@ -272,7 +272,8 @@ def test_a_celeryconfigs_beat_schedule_adds_to_the_sweeps(tmp_path: Path, name: 
 ROUTE_PROBE = """
 import json
 from agentruns.celery import app
-tasks = ["agentruns.dispatch", "agentruns.execute", "agentruns.tick", "agentruns.recover"]
+tasks = ["agentruns.dispatch", "agentruns.execute", "agentruns.tick", "agentruns.recover",
+         "agentruns.cancel"]
 routed = {t: app.amqp.router.route({}, t, (), {})["queue"].name for t in tasks}
 print(json.dumps({**routed, "transport": app.conf.broker_transport}))
 """
@@ -299,5 +300,6 @@ def test_a_celeryconfigs_routes_decide_where_the_sweeps_go_where_they_match(
     out = _beside_celeryconfig(tmp_path, lines, ROUTE_PROBE).stdout
     queues = json.loads(out.strip().splitlines()[-1])
     assert (queues["agentruns.tick"], queues["agentruns.recover"]) == (tick, recover)
+    assert queues["agentruns.cancel"] == recover  # ahead of the runs' backlog, as the sweeps
     assert queues["transport"] == "agentruns.broker:Transport"
     assert queues["agentruns.execute"] == ("agents" if "agentruns.*" in routes else "default")

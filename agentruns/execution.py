@@ -145,7 +145,7 @@ class Execution:
         self._guard = Guard(status=RunStatus.RUNNING, epoch=self.epoch)
         self._saved = False  # whether this execution committed a write
         self._step_started = utcnow()
-        # The ids of the transcript's tool calls: a reply may not call with one again.
+        # The ids of the transcript's tool calls: a reply's call with one gets another.
         self._call_ids: set[str] = set()
 
     @property

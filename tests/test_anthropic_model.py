@@ -542,28 +542,8 @@ def test_a_stream_whose_events_make_no_message_fails_at_once_as_malformed(
     assert said in str(err.value)
 
 
-@pytest.mark.parametrize(
-    "usage", [{"output_tokens": 1}, {"input_tokens": None, "output_tokens": 1}]
-)
-def test_a_stream_whose_usage_leaves_a_count_out_counts_it_as_none(
-    fake: FakeAnthropic, usage: dict[str, Any]
-) -> None:
-    # A gateway that leaves input_tokens out of message_start: taken for 0, as before
-    # the check that a stream's events make a message (which failed it as malformed).
-    start = {**_START, "message": {**_START["message"], "content": [], "usage": usage}}
-    block = {
-        "type": "content_block_start",
-        "index": 0,
-        "content_block": {"type": "text", "text": ""},
-    }
-    stop = {"type": "content_block_stop", "index": 0}
-    fake.push(events(start, block, _DELTA, stop, *_END))
-    response = make_model(fake).complete(request(), threading.Event())
-    assert response.content == [{"type": "text", "text": "x"}]
-    assert (response.usage.input_tokens, response.usage.output_tokens) == (0, 3)
-
-
 def _text_reply(usage: dict[str, Any], output_tokens: Any = 3) -> RawReply:
+    """A reply of one text block whose message_start holds ``usage``."""
     start = {**_START, "message": {**_START["message"], "content": [], "usage": usage}}
     block = {
         "type": "content_block_start",
@@ -573,6 +553,20 @@ def _text_reply(usage: dict[str, Any], output_tokens: Any = 3) -> RawReply:
     stop = {"type": "content_block_stop", "index": 0}
     end = {**_END[0], "usage": {"output_tokens": output_tokens}}
     return events(start, block, _DELTA, stop, end, _END[1])
+
+
+@pytest.mark.parametrize(
+    "usage", [{"output_tokens": 1}, {"input_tokens": None, "output_tokens": 1}]
+)
+def test_a_stream_whose_usage_leaves_a_count_out_counts_it_as_none(
+    fake: FakeAnthropic, usage: dict[str, Any]
+) -> None:
+    # A gateway that leaves input_tokens out of message_start: taken for 0, as before
+    # the check that a stream's events make a message (which failed it as malformed).
+    fake.push(_text_reply(usage))
+    response = make_model(fake).complete(request(), threading.Event())
+    assert response.content == [{"type": "text", "text": "x"}]
+    assert (response.usage.input_tokens, response.usage.output_tokens) == (0, 3)
 
 
 @pytest.mark.parametrize(

@@ -89,11 +89,22 @@ def celery_app(queue: str) -> Iterator[Any]:
         before = {
             "broker_url": app.conf.broker_url,
             "task_default_queue": app.conf.task_default_queue,
+            "task_routes": app.conf.task_routes,
         }
-        app.conf.update(broker_url=REDIS_URL, task_default_queue=queue)
+        # The routes too: a cancel goes to the sweeps queue beside the runs'. (Celery
+        # keeps the routes it read, and a router made of them.)
+        routes = defaults()["task_routes"]
+        app.conf.update(broker_url=REDIS_URL, task_default_queue=queue, task_routes=routes)
+        _reroute(app)
         yield app
         app.conf.update(before)
+        _reroute(app)
     get_settings.cache_clear()
+
+
+def _reroute(app: Any) -> None:
+    app.amqp.flush_routes()
+    app.amqp.__dict__.pop("router", None)
 
 
 # -- worker and beat processes -----------------------------------------------------------

@@ -596,6 +596,7 @@ def test_a_stream_whose_usage_holds_no_count_fails_as_malformed_in_one_line(
     assert str(err.value) == f"malformed model reply: {said}"
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")  # the SDK's, as it builds the message
 def test_a_stream_whose_counts_are_whole_floats_or_digits_counts_them(
     fake: FakeAnthropic,
 ) -> None:

@@ -41,7 +41,8 @@ AHEAD = (*SWEEPS, "agentruns.cancel")
 
 
 def sweeps_queue(queue: str) -> str:
-    """The queue of beat's sweeps (``tick`` and ``recover``) beside the runs' ``queue``."""
+    """The queue of beat's sweeps (``tick`` and ``recover``), and of cancels, beside the
+    runs' ``queue`` (``AHEAD``)."""
     return f"{queue}.sweeps"
 
 
@@ -222,9 +223,9 @@ def _follow_default_queue(sender: Celery, module_set: set[str]) -> None:
 
 
 def _route_sweeps(sender: Celery, queue: str) -> Any:
-    """The ``task_routes`` that send beat's sweeps where the deployment's own routes
-    send them (an exact name, a glob such as ``agentruns.*``, a router), and to
-    ``queue`` where none does. Routes to the sweeps queue of ``AGENTRUNS_QUEUE``
+    """The ``task_routes`` that send beat's sweeps and cancels (``AHEAD``) where the
+    deployment's own routes send them (an exact name, a glob such as ``agentruns.*``,
+    a router), and to ``queue`` where none does. Routes to the sweeps queue of ``AGENTRUNS_QUEUE``
     are :func:`defaults`' own (also in a celeryconfig that starts from them), not
     the deployment's: they follow the default queue, as the queues do."""
     ours = _queues(get_settings().queue)["task_routes"]

@@ -151,7 +151,7 @@ def _say_if_the_sweeps_queue_is_not_consumed(consumer: Any) -> None:
     if runs in consumed and missing:
         log.warning(
             "agentruns: this worker does not consume %s, where beat sends tick and "
-            "recover; unless another worker does, they never run (-Q %s)",
+            "recover (and cancels go); unless another worker does, they never run (-Q %s)",
             ", ".join(map(repr, missing)),
             ",".join(sorted(consumed | set(missing))),
         )

@@ -16,6 +16,7 @@ import os
 from importlib.machinery import ModuleSpec
 from typing import Any
 
+import click
 from celery import Celery
 from celery.app.amqp import AMQP as CeleryAMQP
 from celery.app.routes import Router, prepare
@@ -24,7 +25,8 @@ from kombu.entity import Exchange, Queue
 from kombu.utils.url import maybe_sanitize_url
 
 from agentruns.broker import transport_for
-from agentruns.settings import get_settings
+from agentruns.errors import InvalidSettingError
+from agentruns.settings import Settings, get_settings
 
 log = logging.getLogger("agentruns")
 
@@ -60,6 +62,25 @@ def _queue(name: str) -> Any:
     return Queue(name, Exchange(name, type="direct"), routing_key=name)  # type: ignore[no-untyped-call]
 
 
+class SettingRefusedError(InvalidSettingError, click.ClickException):
+    """An ``InvalidSettingError`` met while Celery's configuration was read: Celery's
+    command line (click) says it in one line, ``Error: invalid setting …``, and exits 2
+    (a worker or beat ended on a whole traceback); code that catches
+    ``InvalidSettingError`` still does."""
+
+    exit_code = 2
+
+    def __init__(self, message: str) -> None:
+        click.ClickException.__init__(self, message)
+
+
+def _settings() -> Settings:
+    try:
+        return get_settings()
+    except InvalidSettingError as exc:
+        raise SettingRefusedError(str(exc)) from None
+
+
 def defaults() -> dict[str, Any]:
     """agentruns' Celery settings, from ``AGENTRUNS_*``; ``celeryconfig.py`` starts from these.
 
@@ -70,7 +91,7 @@ def defaults() -> dict[str, Any]:
     the broker (no ETA or countdown), because ``recover`` finds anything a lost
     message leaves behind.
     """
-    s = get_settings()
+    s = _settings()
     # Redis redelivers a message nobody acked within the visibility timeout. That
     # is also how a message a killed worker held comes back (a dispatch it had not
     # stored yet; a stored run is recovered sooner, by recover()). A task should
@@ -184,7 +205,7 @@ def _say_what_overrode_the_environment(conf: Any) -> None:
     and a ``celeryconfig`` module (a team's own, for its own app, in the working
     directory) has the last word. Either sends this app's messages where no
     agentruns worker may read them, and points its workers at another queue."""
-    s = get_settings()
+    s = _settings()
     env = os.environ
     spec = _celeryconfig()
     module = f"celeryconfig ({spec.origin})" if spec is not None else "the configuration"
@@ -228,7 +249,7 @@ def _route_sweeps(sender: Celery, queue: str) -> Any:
     a router), and to ``queue`` where none does. Routes to the sweeps queue of ``AGENTRUNS_QUEUE``
     are :func:`defaults`' own (also in a celeryconfig that starts from them), not
     the deployment's: they follow the default queue, as the queues do."""
-    ours = _queues(get_settings().queue)["task_routes"]
+    ours = _queues(_settings().queue)["task_routes"]
     routes = sender.conf.task_routes
     if isinstance(routes, dict):
         routes = {k: v for k, v in routes.items() if not (k in ours and v == ours[k])}

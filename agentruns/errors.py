@@ -33,6 +33,21 @@ def first_line(exc: BaseException, *, typed: bool = True) -> str:
     return (said or type(exc).__name__)[:500]
 
 
+def shortened(text: str, limit: int) -> str:
+    """``text``, or its beginning and how many characters more there were, ``limit``
+    characters in all (so shortening it again leaves it as it is)."""
+    if len(text) <= limit:
+        return text
+    kept = limit - 40  # room for the count
+    return f"{text[:kept]}… ({len(text) - kept} more characters)"
+
+
+def one_line(text: str, limit: int) -> str:
+    """``text`` in one line, each run of whitespace (line breaks too) one space,
+    ``shortened`` to ``limit``: what a server said may be a whole HTML page."""
+    return shortened(" ".join(text.split()), limit)
+
+
 def problems(exc: ValidationError, whole: str) -> str:
     """pydantic's errors in one line: each field's message, ``whole`` naming the value
     itself (pydantic's own text runs over several lines, with a link each)."""

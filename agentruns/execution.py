@@ -44,7 +44,6 @@ from agentruns.runs import (
     RunStatus,
     Usage,
     WaitPoint,
-    storable_text,
     utcnow,
 )
 from agentruns.store.base import Claimed, Commit, Committed, Guard, NewStep, Store
@@ -569,7 +568,7 @@ class Execution:
                 kind="tool",
                 name=call["name"],
                 input=call["input"],
-                error={"code": "fatal_tool_error", "message": storable_text(said)},
+                error=RunError(code="fatal_tool_error", message=said).model_dump(),
                 started_at=now,
                 finished_at=now,
             )

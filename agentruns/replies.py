@@ -93,9 +93,10 @@ def with_new_ids(response: ModelResponse, earlier: set[str]) -> ModelResponse:
         if block.get("type") == "tool_use" and block["id"] in earlier:
             base = block["id"][: TOOL_CALL_ID_LENGTH - 12]
             n = 2
-            while f"{base}~{n}" in taken:
+            # Only letters, digits, "_" and "-": the API's pattern for an id (and Bedrock's).
+            while f"{base}-{n}" in taken:
                 n += 1
-            block = {**block, "id": f"{base}~{n}"}
+            block = {**block, "id": f"{base}-{n}"}
             taken.add(block["id"])
         content.append(block)
     return dataclasses.replace(response, content=content)

@@ -10,6 +10,8 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pydantic_core import to_json
 
+from agentruns.errors import shortened
+
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
@@ -169,6 +171,11 @@ class WaitPoint(_Model):
     tool_call_id: str | None = None
 
 
+# How much of an error's message a run keeps: what caused it may be quoted whole
+# (a proxy's HTML page of 700 KB as a model error, a tool's huge exception text).
+ERROR_MESSAGE_LENGTH = 4000
+
+
 class RunError(_Model):
     code: str
     message: str
@@ -177,7 +184,7 @@ class RunError(_Model):
     @classmethod
     def _storable(cls, value: str) -> str:
         # What an error says often quotes what caused it: the error must be stored anyway.
-        return storable_text(value)
+        return storable_text(shortened(value, ERROR_MESSAGE_LENGTH))
 
 
 class Claim(_Model):

@@ -23,6 +23,12 @@ Script it with planned replies, served in order::
         fake.requests[0].api_key                 # x-api-key or bearer token
         fake.requests[0].headers                 # lower-cased header names
 
+A request the real API would refuse gets its 400 ``invalid_request_error``, as
+the API words it, without taking a planned reply: a tool_use id other than
+letters, digits, ``_`` and ``-``; a text block that is blank; a tool_result
+that answers no tool_use of the assistant turn before it, or a tool_use whose
+result is not in the next message (``fake.refused`` lists what was refused).
+
 When the queue is empty, ``fake.responder`` (a callable taking the
 ``RecordedRequest`` and returning a reply) answers, so an engine test can reply
 according to the transcript; with neither, the server answers 400
@@ -46,6 +52,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
+import re
 import select
 import socket
 import sys
@@ -287,6 +294,7 @@ class FakeAnthropic:
         self.responder = responder
         self.model = model
         self.requests: list[RecordedRequest] = []
+        self.refused: list[str] = []  # what requests the API would refuse said
         self._queue: deque[AnyReply] = deque(replies or [])
         self._lock = threading.Lock()
         self._arrived = threading.Condition(self._lock)
@@ -360,6 +368,9 @@ class FakeAnthropic:
         with self._arrived:
             self.requests.append(request)
             self._arrived.notify_all()
+            if (problem := refusal(request.messages)) is not None:
+                self.refused.append(problem)
+                return error(400, message=problem)
             planned = self._queue.popleft() if self._queue else None
         if planned is None and self.responder is not None:
             planned = self.responder(request)
@@ -601,6 +612,46 @@ def _message(planned: Reply, request: RecordedRequest, fake: FakeAnthropic, n: i
         "stop_sequence": None,
         "usage": dict(planned.usage),
     }
+
+
+_TOOL_USE_ID = re.compile(r"[a-zA-Z0-9_-]+")
+
+
+def refusal(messages: list[Any]) -> str | None:
+    """What the real Messages API says of a transcript it refuses (400), or None."""
+    expected: set[str] = set()  # the tool_use ids the next message must answer
+    for i, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        blocks = content if isinstance(content, list) else []
+        answered = set()
+        for j, block in enumerate(blocks):
+            kind = block.get("type")
+            if kind == "text" and not str(block.get("text", "")).strip():
+                return "messages: text content blocks must contain non-whitespace text"
+            if kind == "tool_use" and not _TOOL_USE_ID.fullmatch(str(block.get("id"))):
+                return (
+                    f"messages.{i}.content.{j}.tool_use.id: String should match pattern"
+                    " '^[a-zA-Z0-9_-]+$'"
+                )
+            if kind == "tool_result":
+                if block.get("tool_use_id") not in expected:
+                    return (
+                        f"messages.{i}.content.{j}: unexpected `tool_use_id` found in"
+                        " `tool_result` blocks: Each `tool_result` block must have a"
+                        " corresponding `tool_use` block in the previous message."
+                    )
+                answered.add(block["tool_use_id"])
+        if expected - answered:
+            return (
+                f"messages.{i}: `tool_use` ids were found without `tool_result` blocks"
+                f" immediately after: {', '.join(sorted(expected - answered))}"
+            )
+        expected = (
+            {str(b.get("id")) for b in blocks if b.get("type") == "tool_use"}
+            if message.get("role") == "assistant"
+            else set()
+        )
+    return None
 
 
 def _chunks(value: str, size: int = 7) -> list[str]:

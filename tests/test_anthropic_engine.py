@@ -198,6 +198,27 @@ def test_tool_loop_completes_and_every_request_is_a_valid_messages_call(
     assert len(checkpoint.messages) == 6
 
 
+def test_a_gateway_repeating_a_call_id_gets_ids_the_api_takes(
+    make_engine: EngineFactory, fake: FakeAnthropic, errors: Errors
+) -> None:
+    # A gateway that numbers calls per reply: the engine renamed the repeat
+    # "toolu_1~2", which the API's id pattern refuses (a 400), failing the run for good.
+    fake.push(
+        reply(tool_use("search_issues", {"query": "crash"}, id="toolu_1")),
+        reply(tool_use("search_issues", {"query": "hang"}, id="toolu_1")),
+        reply(text("Two searches.")),
+    )
+    engine = manual_engine(make_engine, triage_agent(fake))
+
+    run = run_to_end(engine)
+
+    assert run.status is RunStatus.COMPLETED, run.error
+    assert fake.refused == [] and errors == []
+    last = fake.requests[-1].messages
+    assert [b["id"] for b in last[3]["content"] if b["type"] == "tool_use"] == ["toolu_1-2"]
+    assert [b["tool_use_id"] for b in last[4]["content"]] == ["toolu_1-2"]
+
+
 def test_run_usage_is_the_sum_of_the_servers_numbers_including_cache_tokens(
     make_engine: EngineFactory, fake: FakeAnthropic
 ) -> None:

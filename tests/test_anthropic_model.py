@@ -725,6 +725,41 @@ def test_pause_turn_continues_with_the_assistant_content_and_merges_the_turn(
     assert second.body["system"] == first.body["system"]
 
 
+def test_what_the_server_said_is_kept_in_one_shortened_line(
+    fake: FakeAnthropic, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A proxy's 502 page of 20,000 lines was the run's error, and each retry's log line.
+    page = "<p>Bad gateway upstream error</p>\n" * 20_000
+    fake.push(error(502, message=page), error(502, message=page))
+    with caplog.at_level("WARNING"), pytest.raises(ModelError) as err:
+        make_model(fake, max_retries=1).complete(request(), threading.Event())
+    said = str(err.value)
+    assert said.startswith("Anthropic API error after 2 tries: api_error (HTTP 502): <p>Bad")
+    assert "\n" not in said and len(said) < 1200 and said.endswith("more characters)")
+    retried = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
+    assert len(retried) == 1 and "\n" not in retried[0] and len(retried[0]) < 1200
+
+
+def test_a_paused_turns_blank_text_is_not_sent_back_in_its_continuation(
+    fake: FakeAnthropic,
+) -> None:
+    # The API refuses a blank text block in a request: the continuation of a turn
+    # paused as [text(""), server_tool_use] got a 400, and the run failed.
+    call = {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {}}
+    found = {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": []}
+    fake.push(
+        reply(text(""), call, stop_reason="pause_turn", usage=usage(100, 10)),
+        reply(found, text("Found it."), usage=usage(150, 20)),
+    )
+    web_search = {"type": "web_search_20250305", "name": "web_search"}
+    response = make_model(fake, tools=[web_search]).complete(request(), threading.Event())
+
+    assert fake.refused == []
+    assert response.stop_reason == "end_turn"
+    assert fake.requests[1].messages[-1]["content"][0]["type"] == "server_tool_use"
+    assert response.content[-1] == text("Found it.")
+
+
 @pytest.mark.parametrize("then", ["refused", "cut", "uncountable", "cut and uncountable"])
 @pytest.mark.filterwarnings("ignore::UserWarning")  # the SDK's, as it builds the message
 def test_a_paused_turns_tokens_count_when_its_continuation_fails(

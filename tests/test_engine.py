@@ -8,6 +8,7 @@ import contextlib
 import itertools
 import json
 import os
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -46,7 +47,7 @@ from agentruns.events import Event
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.models.base import ModelResponse
 from agentruns.recovery import held_back
-from agentruns.runs import Run, utcnow
+from agentruns.runs import ERROR_MESSAGE_LENGTH, Run, utcnow
 from agentruns.schedulers import ManualScheduler
 from agentruns.store import schema
 from agentruns.store.base import Claimed, Commit, Guard, NewStep
@@ -706,6 +707,28 @@ def test_fatal_tool_error_fails_the_run(make_engine: EngineFactory) -> None:
     assert "the tracker is gone" in run.error.message
 
 
+def test_a_huge_error_is_kept_shortened_and_says_how_much_more_there_was(
+    make_engine: EngineFactory,
+) -> None:
+    # What caused it was stored whole: a 2 MB exception text in the run's row, its
+    # log line and every `agentruns show`.
+    @tool
+    def explode() -> str:
+        """Fail hard."""
+        raise FatalToolError("gone " * 400_000)
+
+    agent = Agent("a", ScriptedModel([tool_use("explode"), text("never")]), tools=[explode])
+    engine = make_engine([agent])
+    run = _run_to_end(engine)
+    assert run.error is not None and run.error.code == "fatal_tool_error"
+    assert run.error.message.startswith("explode: gone gone")
+    kept = ERROR_MESSAGE_LENGTH - 40
+    assert run.error.message.endswith(f"… ({2_000_009 - kept} more characters)")
+    assert len(run.error.message) <= ERROR_MESSAGE_LENGTH
+    step = engine.steps(run.id)[-1]
+    assert step.error is not None and step.error["message"].endswith(" more characters)")
+
+
 def test_tool_errors_invalid_arguments_and_unknown_tools_reach_the_model(
     make_engine: EngineFactory,
 ) -> None:
@@ -906,13 +929,15 @@ def test_a_reply_calling_with_an_earlier_calls_id_gets_an_id_of_its_own_on_both(
     run = _run_to_end(engine, "a")
     assert run.status is RunStatus.COMPLETED, run.error
     assert posted == ["first", "second"]
-    assert ids(run.id) == ["call_1", "call_1~2"]
+    # Ids the API takes (letters, digits, "_" and "-"): "call_1~2" was refused with a 400.
+    assert ids(run.id) == ["call_1", "call_1-2"]
     transcript.validate(engine.checkpoint(run.id).messages)  # type: ignore[union-attr]
     # Across a thread's runs: the transcript the model is given holds them all.
     for _ in range(3):
         done = engine.dispatch("b", trigger({}), thread="t")
         assert engine.idle(10) and engine.get_run(done.id).status is RunStatus.COMPLETED
-    assert ids(done.id) == ["call_1", "call_1~2", "call_1~3"]
+    assert ids(done.id) == ["call_1", "call_1-2", "call_1-3"]
+    assert all(re.fullmatch(r"[a-zA-Z0-9_-]+", i) for i in ids(done.id))
     assert posted == ["first", "second", "first", "first", "first"]
 
 

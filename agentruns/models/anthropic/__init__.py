@@ -137,7 +137,8 @@ class AnthropicModel:
                 # The paused turns before it were answered, and counted by the provider.
                 exc.usage = usage + (exc.usage or Usage())
                 raise
-            raw += [block.model_dump(mode="json", exclude_none=True) for block in message.content]
+            # Sent back in the continuation: a blank text block would be refused there.
+            raw += [b for b in map(_dumped, message.content) if not _blank_text(b)]
             content += _content(message)
             if message.stop_reason != "pause_turn":
                 return self._finish(message, content, usage)
@@ -336,3 +337,13 @@ def _usage(message: Message) -> Usage:
             raise ModelError(f"malformed model reply: usage.{name} is {count!r}, not a count")
         counts[name] = count
     return Usage(**counts)
+
+
+def _dumped(block: Any) -> dict[str, Any]:
+    dumped: dict[str, Any] = block.model_dump(mode="json", exclude_none=True)
+    return dumped
+
+
+def _blank_text(block: dict[str, Any]) -> bool:
+    """A text block of whitespace, which the API refuses in a request."""
+    return block.get("type") == "text" and not str(block.get("text", "")).strip()

@@ -13,6 +13,7 @@ import anthropic
 import httpx2
 import tenacity
 
+from agentruns.errors import one_line
 from agentruns.models.anthropic.stream import IncompleteStream
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,10 @@ _TRANSIENT_STATUS = frozenset({408, 409, 429})
 _TRANSIENT_STREAM_ERRORS = frozenset(
     {"overloaded_error", "api_error", "rate_limit_error", "timeout_error"}
 )
+
+
+# How much of what the server said an error keeps (a proxy's 502 may be a whole HTML page).
+_DETAIL_LENGTH = 1000
 
 
 def is_transient(exc: BaseException) -> bool:
@@ -72,15 +77,16 @@ def retry_after(exc: BaseException) -> float | None:
 def log_retry(state: tenacity.RetryCallState) -> None:
     exc = state.outcome.exception() if state.outcome is not None else None
     wait = state.next_action.sleep if state.next_action is not None else 0.0
+    said = one_line(str(exc), _DETAIL_LENGTH)
     log.warning(
-        "Anthropic call failed (try %d): %s; retrying in %.2fs", state.attempt_number, exc, wait
+        "Anthropic call failed (try %d): %s; retrying in %.2fs", state.attempt_number, said, wait
     )
 
 
 def describe(exc: BaseException, model: str, client: anthropic.Anthropic, tries: int) -> str:
     after = f" after {tries} tries" if tries > 1 else ""
     if isinstance(exc, anthropic.APIStatusError):
-        detail = exc.api_message or str(exc)
+        detail = one_line(exc.api_message or str(exc), _DETAIL_LENGTH)
         where = "in the response stream" if exc.status_code < 400 else f"HTTP {exc.status_code}"
         hint = {
             401: "; check ANTHROPIC_API_KEY",
@@ -96,7 +102,8 @@ def describe(exc: BaseException, model: str, client: anthropic.Anthropic, tries:
     if isinstance(exc, IncompleteStream):
         return f"the Anthropic response stream was cut off{after}: {exc}"
     hint = "; set ANTHROPIC_API_KEY" if "authentication" in str(exc).lower() else ""
-    return f"the Anthropic call failed: {type(exc).__name__}: {exc}{hint}"
+    said = one_line(str(exc), _DETAIL_LENGTH)
+    return f"the Anthropic call failed: {type(exc).__name__}: {said}{hint}"
 
 
 def _shown(url: Any) -> str:

@@ -111,7 +111,9 @@ class Engine:
         for agent in agents:
             self.register(agent)
         self.events = Events(self.report)
-        self._keeper = LeaseKeeper(self.leases, self.store, self.owner, lease_ttl, self.report)
+        self._keeper = LeaseKeeper(
+            self.leases, self.store, self.owner, lease_ttl, self.report, self._give_up
+        )
         self._calls = 0  # public calls in progress, executions among them (see idle)
         self._local = threading.local()  # executions on this thread's stack
         self._calls_lock = threading.Lock()

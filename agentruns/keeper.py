@@ -4,7 +4,11 @@ One thread per engine watches every held lease. Every ``lease_ttl/3`` it has
 the lease renewed on a small pool (in Redis, then the claim's expiry in the
 database, fenced by the epoch), so a renewal stalled on Redis delays no one's
 timeout. A renewal that fails, or none that succeeds before the lease could
-expire, aborts that execution as lost; a claim whose run was asked to cancel
+expire, aborts that execution as lost, and its lease is renewed no more: the
+execution may be stuck a long while yet (a statement on a silent server, a tool
+that does not heed its signal), and the lease must lapse for another engine to
+take the run over. This live process notes that it let the claim go, at once,
+for ``recover`` not to take it for a crash. A claim whose run was asked to cancel
 aborts it as cancelled (the fallback when the cancel's pub/sub message was
 missed). With leases only this process sees (``LocalLeases``), a cancel asked
 in another process has no message to come by: the keeper looks for cancels in
@@ -13,6 +17,7 @@ the store every ``CANCEL_LOOK_S``, one read for all its runs.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -38,6 +43,8 @@ class _Kept:
         # the renewal's start) plus a TTL.
         self.held_until = leased + ttl
         self.renewing = False
+        # Its lease could not be kept: it is renewed no more (see _lose).
+        self.lost = False
 
 
 class LeaseKeeper:
@@ -50,12 +57,14 @@ class LeaseKeeper:
         owner: str,
         lease_ttl: float,
         report: Callable[[Exception], None],
+        give_up: Callable[[str, int], None],
     ) -> None:
         self._leases = leases
         self._store = store
         self._owner = owner
         self._ttl = lease_ttl
         self._report = report
+        self._give_up = give_up
         self._kept: dict[str, _Kept] = {}
         # Aborts asked for runs not kept (yet): one may come between a claim and keep().
         self._early: dict[str, tuple[Abort, float]] = {}
@@ -149,10 +158,11 @@ class LeaseKeeper:
             for item in kept:
                 if item.deadline is not None and now >= item.deadline:
                     item.execution.abort(Abort.TIMEOUT)
-                if now >= item.held_until:
+                if now >= item.held_until and not item.lost:
                     # No renewal made it in time: another engine may hold the run now.
-                    item.execution.abort(Abort.LEASE_LOST)
-                if now >= item.next_renewal and not item.renewing:
+                    self._lose(item, noted_later=True)
+                lost = item.lost or item.execution.reason is Abort.LEASE_LOST
+                if now >= item.next_renewal and not item.renewing and not lost:
                     item.next_renewal = now + self._ttl / 3
                     item.renewing = True
                     try:
@@ -185,8 +195,30 @@ class LeaseKeeper:
         finally:
             item.renewing = False
         if cancel is None:
-            execution.abort(Abort.LEASE_LOST)
+            self._lose(item)
             return
         item.held_until = started + self._ttl
         if cancel:
             execution.abort(Abort.CANCEL)
+
+    def _lose(self, item: _Kept, noted_later: bool = False) -> None:
+        """The lease could not be kept: the execution stops, and this live process notes
+        that it let the claim go (a lost lease is no crash of the run's step), on the
+        renewals' pool if ``noted_later`` (the watcher waits on no one)."""
+        if item.lost:
+            return
+        item.lost = True
+        execution = item.execution
+        execution.abort(Abort.LEASE_LOST)
+        if noted_later:
+            # Stopped meanwhile: the execution notes it as it ends.
+            with contextlib.suppress(RuntimeError):
+                self._renewals.submit(self._note_given_up, execution)
+        else:
+            self._note_given_up(execution)
+
+    def _note_given_up(self, execution: Execution) -> None:
+        try:
+            self._give_up(execution.run_id, execution.epoch)
+        except Exception as exc:
+            self._report(exc)

@@ -1428,7 +1428,7 @@ def test_a_cancel_heard_before_its_execution_is_kept_aborts_it_once_kept() -> No
         def abort(self, reason: Abort) -> None:
             self.reason = reason
 
-    keeper = LeaseKeeper(LocalLeases(), None, "me", 30.0, print)  # type: ignore[arg-type]
+    keeper = LeaseKeeper(LocalLeases(), None, "me", 30.0, print, print)  # type: ignore[arg-type]
     keeper.abort("r", Abort.CANCEL)
     keeper.abort("elsewhere", Abort.CANCEL)
     execution = Execution()

@@ -290,10 +290,13 @@ class _Execution:
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
+        self.epoch = 1
+        self.reason: object = None
         self.aborted: list[object] = []
 
     def abort(self, reason: object) -> None:
         self.aborted.append(reason)
+        self.reason = reason
 
 
 def test_a_cancel_heard_before_its_run_is_kept_aborts_it_within_a_lease_ttl_only() -> None:
@@ -302,7 +305,7 @@ def test_a_cancel_heard_before_its_run_is_kept_aborts_it_within_a_lease_ttl_only
     from agentruns.execution import Abort
     from agentruns.keeper import LeaseKeeper
 
-    keeper = LeaseKeeper(LocalLeases(), None, "me", 0.2, lambda exc: None)  # type: ignore[arg-type]
+    keeper = LeaseKeeper(LocalLeases(), None, "me", 0.2, lambda exc: None, lambda run, epoch: None)  # type: ignore[arg-type]
     try:
         for n in range(1000):
             keeper.abort(f"elsewhere-{n}", Abort.CANCEL)

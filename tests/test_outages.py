@@ -346,6 +346,47 @@ def test_an_effects_result_is_recorded_after_a_first_try_that_failed_slowly(
         engine.close()
 
 
+def test_a_lease_whose_claim_could_not_be_renewed_lapses_though_its_execution_is_stuck(
+    db_url: str, redis_prefix: str, proxy: Proxy, errors: Errors
+) -> None:
+    # Postgres cut off from one worker whose execution was stuck (a tool that does
+    # not heed ctx.signal; a statement on a server gone silent): each renewal renewed
+    # the Redis lease and failed on the claim, for as long as the execution was stuck,
+    # so no other worker could take the run; and recover took it for lost with its
+    # worker (counted towards holding it back) though the worker lived.
+    release = threading.Event()
+
+    @tool
+    def stuck(ctx: ToolContext) -> str:
+        """Take long, deaf to the signal."""
+        proxy.cut()
+        release.wait(30)
+        return "late"
+
+    agent = Agent("a", ScriptedModel([tool_use("stuck", {}), text("Done.")]), tools=[stuck])
+    via_proxy = db_url.replace("127.0.0.1:5432", f"127.0.0.1:{proxy.port}")
+    leases = RedisLeases(prefix=redis_prefix)
+    engine = _engine(via_proxy, leases, agent, errors)
+    direct = SqlStore(db_url)
+    try:
+        run = engine.dispatch("a", trigger({}))
+        wait_for(lambda: errors.of(sqlalchemy.exc.OperationalError), "a renewal to fail")
+        # The lease (1 s) lapses, though the execution is still stuck in the tool.
+        wait_for(lambda: leases.holder(run.id) is None, "the lease to lapse", timeout=5)
+        ref = direct.run_ref(run.id)
+        assert ref is not None and ref.status is RunStatus.RUNNING
+        assert leases.given_up(run.id, ref.epoch)  # by a live worker: no crash
+        assert not engine.idle(0) and not release.is_set()
+        time.sleep(1.5)
+        assert leases.holder(run.id) is None  # and is renewed no more
+        assert len(errors.of(sqlalchemy.exc.OperationalError)) == 1  # said once
+    finally:
+        release.set()
+        proxy.restore()
+        engine.close()
+        direct.close()
+
+
 def test_redis_going_away_aborts_the_execution_and_recover_finishes_the_run(
     db_url: str, private_redis: PrivateRedis, errors: Errors
 ) -> None:

@@ -12,7 +12,7 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Protocol
+from typing import Any, Protocol
 
 from agentruns import pending as pending_
 from agentruns import tokens
@@ -109,10 +109,7 @@ class Approvals:
 
     def resume(self, token: str, *, approved: bool, reason: str | None = None) -> Run:
         """Answer the approval a token stands for, once; the run is queued again."""
-        if not isinstance(approved, bool):
-            raise InvalidAnswerError(f"approved must be True or False, not {approved!r}")
-        if reason is not None and not (isinstance(reason, str) and is_utf8(reason)):
-            raise InvalidAnswerError(f"reason must be UTF-8 text or None, not {reason!r}")
+        check_answer(approved, reason)
         engine = self.engine
         claims = tokens.verify(engine.secret, token)
         try:
@@ -382,3 +379,11 @@ def _answer_steps(
             )
         )
     return steps
+
+
+def check_answer(approved: Any, reason: Any) -> None:
+    """``InvalidAnswerError`` for an answer no approval could take."""
+    if not isinstance(approved, bool):
+        raise InvalidAnswerError(f"approved must be True or False, not {approved!r}")
+    if reason is not None and not (isinstance(reason, str) and is_utf8(reason)):
+        raise InvalidAnswerError(f"reason must be UTF-8 text or None, not {reason!r}")

@@ -52,6 +52,26 @@ def new_run(
     )
 
 
+def check_dispatch(
+    trigger: TriggerEnvelope | dict[str, Any],
+    idempotency_key: str | None = None,
+    concurrency_key: str | None = None,
+    thread: str | None = None,
+    budget: Budget | dict[str, Any] | None = None,
+) -> None:
+    """What a dispatch's worker would refuse whatever its agent (``InvalidTriggerError``),
+    refused where it is sent: a message the worker refuses is a request lost, said
+    only in the worker's log."""
+    _keys(None, trigger_envelope(trigger), idempotency_key, concurrency_key, thread)
+    check_budget(budget)
+
+
+def check_budget(budget: Budget | dict[str, Any] | None) -> None:
+    """``InvalidTriggerError`` for a budget no run could be given."""
+    if budget is not None:
+        _replaced(Budget(), budget)
+
+
 def _limits(agent: Budget, budget: Budget | dict[str, Any] | None) -> Budget | None:
     """A run's own budget: the agent's, with the limits a dispatch names replaced."""
     return None if budget is None else _replaced(agent, budget)
@@ -80,15 +100,16 @@ def _replaced(base: Budget, budget: Budget | dict[str, Any]) -> Budget:
 
 
 def _keys(
-    agent: Agent,
+    agent: Agent | None,
     envelope: TriggerEnvelope,
     idempotency_key: str | None,
     concurrency_key: str | None,
     thread: str | None,
 ) -> tuple[str | None, str | None, str | None]:
     """A run's idempotency key, concurrency key and thread: as given, else from the
-    trigger (its id, its thread) and the agent (its key); checked."""
-    if concurrency_key is None:
+    trigger (its id, its thread) and the agent (its key, unless no ``agent`` is
+    given: a check where a dispatch is sent); checked."""
+    if concurrency_key is None and agent is not None:
         # The agent's key is checked as one given to dispatch is: "" refused too.
         concurrency_key = agent.key_for(envelope)
     for what, text in (

@@ -28,7 +28,7 @@ from celery.exceptions import ImproperlyConfigured, Reject
 from celery.utils.saferepr import saferepr
 from celery.worker.request import Request
 
-from agentruns import intake
+from agentruns import approvals, intake
 from agentruns.broker import send_together
 from agentruns.celery import AMQP, app
 from agentruns.engine import Engine
@@ -115,7 +115,7 @@ class _Task(Task):  # type: ignore[misc]
         """Celery's ``apply_async``; the message and its ``task-sent`` event are sent
         together, in one round trip (``agentruns.broker.send_together``)."""
         _refuse_protocol_1(self)
-        _check_trigger(self, args, kwargs)
+        _check_arguments(self, args, kwargs)
         if "argsrepr" not in options and "kwargsrepr" not in options:
             options["argsrepr"], options["kwargsrepr"] = _arguments_shown(self, args, kwargs)
         if options.get("connection") is not None:  # Celery makes a producer of its own
@@ -127,15 +127,21 @@ class _Task(Task):  # type: ignore[misc]
         return send_together(self.app, send, producer, task_id)
 
 
-def _check_trigger(task: Any, args: Any, kwargs: Any) -> None:
-    """A dispatch's trigger, checked where it is sent (``InvalidTriggerError``): the
-    worker would refuse it, in its log, and the sender never know (a NaN in the
-    payload, say, which the message's JSON carries)."""
-    if task.name != "agentruns.dispatch":
+def _check_arguments(task: Any, args: Any, kwargs: Any) -> None:
+    """What the worker would refuse of a task's arguments whatever the database holds,
+    refused where it is sent: else it is refused in the worker's log, and the sender
+    never knows (a NaN in a dispatch's payload, an empty trigger id, a budget of 0
+    steps, ``approved="yes"``). ``InvalidTriggerError`` or ``InvalidAnswerError``."""
+    if task.name not in ("agentruns.dispatch", "agentruns.resume", "agentruns.retry"):
         return
     given = dict(zip(_parameters(task.run), args or (), strict=False)) | dict(kwargs or {})
-    if "trigger" in given:
-        intake.trigger_envelope(given["trigger"])
+    if task.name == "agentruns.dispatch" and "trigger" in given:
+        names = ("trigger", "idempotency_key", "concurrency_key", "thread", "budget")
+        intake.check_dispatch(**{name: given[name] for name in names if name in given})
+    elif task.name == "agentruns.resume" and "approved" in given:
+        approvals.check_answer(given["approved"], given.get("reason"))
+    elif task.name == "agentruns.retry":
+        intake.check_budget(given.get("budget"))
 
 
 def _refuse_protocol_1(task: Any) -> None:
@@ -333,7 +339,10 @@ def dispatch(
     message's own id is the key, so a redelivered or retried message does not
     store a second run.
     """
-    if idempotency_key is None and not (isinstance(trigger, dict) and trigger.get("id")):
+    # (An empty id is no id: refused as the trigger's, not replaced by the message's.)
+    if idempotency_key is None and not (
+        isinstance(trigger, dict) and trigger.get("id") is not None
+    ):
         idempotency_key = f"task:{self.request.id}"
     with _retrying_outages(self):
         engine = get_engine(self.app)

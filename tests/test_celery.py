@@ -42,6 +42,7 @@ from agentruns import (
     SqlStore,
 )
 from agentruns.celery import CLOCK_SKEW_S, defaults, sweeps_queue
+from agentruns.errors import InvalidAnswerError
 from agentruns.migrate import migrate
 from agentruns.runs import RunError, utcnow
 from agentruns.schedulers import ManualScheduler
@@ -591,13 +592,17 @@ def test_redelivered_and_bad_messages_store_nothing_more(cluster: Cluster, engin
     dispatch.delay("no-such-agent", trigger())
     # Not a trigger envelope: refused at .delay(), and by the worker if sent by name.
     dispatch.app.send_task("agentruns.dispatch", ("quick", {"payload": 1}))
+    # An empty trigger id: the message's id was taken for the key, and a run stored.
+    dispatch.app.send_task("agentruns.dispatch", ("quick", {**trigger(), "id": ""}))
     resume.delay("not-a-token", True)
-    resume.delay("not-a-token", "yes")  # a traceback at ERROR, as if agentruns had failed
+    # Refused at .delay() too; by the worker, sent by name (it logged a traceback at
+    # ERROR, as if agentruns had failed).
+    dispatch.app.send_task("agentruns.resume", ("not-a-token", "yes"))
     cancel.delay("no-such-run")
     execute.delay("no-such-run")
     expected = {
         "UnknownAgentError": 1,
-        "InvalidTriggerError": 1,
+        "InvalidTriggerError": 2,
         "InvalidTokenError": 1,
         "InvalidAnswerError": 1,
         "RunNotFoundError": 2,
@@ -1152,6 +1157,42 @@ def test_a_dispatch_whose_trigger_a_worker_would_refuse_is_refused_where_it_is_s
     assert sent == []
     tasks.dispatch.delay("quick", trigger({"ratio": 0.5}))
     assert len(sent) == 1
+
+
+def test_what_a_worker_would_refuse_of_any_tasks_arguments_is_refused_where_it_is_sent(
+    celery_app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each was sent, and refused in the worker's log (an INFO line): the request was
+    # lost and the sender never knew. An empty trigger id was worse: the worker took
+    # the message's id for the key, and each send stored a run.
+    from agentruns import tasks
+
+    sent: list[Any] = []
+    monkeypatch.setattr(tasks, "send_together", lambda *args: sent.append(args))
+    base = trigger({})
+    for bad, said in (
+        ({"trigger": {**base, "id": ""}}, "the trigger's id .* must not be empty"),
+        ({"trigger": {**base, "id": "x" * 501}}, "501 characters long"),
+        ({"trigger": {**base, "id": "a\x00b"}}, "NUL"),
+        ({"trigger": {**base, "thread": ""}}, "thread must not be empty"),
+        ({"trigger": base, "thread": "t" * 494}, "thread is 494 characters"),
+        ({"trigger": base, "idempotency_key": ""}, "idempotency_key must not be empty"),
+        ({"trigger": base, "idempotency_key": 5}, "idempotency_key must be UTF-8 text"),
+        ({"trigger": base, "concurrency_key": ""}, "concurrency_key must not be empty"),
+        ({"trigger": base, "budget": {"max_steps": 0}}, "invalid budget: max_steps"),
+    ):
+        with pytest.raises(InvalidTriggerError, match=said):
+            tasks.dispatch.apply_async(kwargs={"agent": "quick", **bad})
+    with pytest.raises(InvalidTriggerError, match="invalid budget: max_steps"):
+        tasks.retry.delay("some-run", budget={"max_steps": -1})
+    for approved, reason in (("yes", None), (True, 5)):
+        with pytest.raises(InvalidAnswerError):
+            tasks.resume.delay("token", approved, reason)
+    assert sent == []
+    tasks.dispatch.delay("quick", base, idempotency_key="k", thread="t", budget={"max_steps": 3})
+    tasks.retry.delay("some-run", budget={"max_steps": 30})
+    tasks.resume.delay("token", approved=False, reason="no")
+    assert len(sent) == 3
 
 
 def test_a_teams_own_app_on_message_protocol_1_refuses_to_send_agentruns_tasks(

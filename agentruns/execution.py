@@ -99,15 +99,20 @@ class _AgentCodeFailed(Exception):
     run fails: what it raised, an ``OSError`` included, is no outage of agentruns'
     to wait out, and would raise again in every recovery."""
 
-    def __init__(self, what: str, raised: Exception) -> None:
+    def __init__(self, what: str, raised: BaseException) -> None:
         super().__init__(f"{what}: {exception_text(raised)}")
-        self.raised = raised
+        # What on_error is given: an Exception (a SystemExit is said by this one).
+        self.raised: Exception = raised if isinstance(raised, Exception) else self
+        self.__cause__ = raised
 
 
 def _agents_own(what: str, call: Callable[[], T]) -> T:
+    """The agent's own code's result; what it raises fails the run, ``SystemExit`` from
+    argparse too (raised on, the execution's thread ended with its run left running,
+    for every recover to requeue it and be killed again), unless it stops the task."""
     try:
         return call()
-    except Exception as exc:
+    except BaseException as exc:
         if stops_the_task(exc):
             raise
         raise _AgentCodeFailed(what, exc) from exc
@@ -369,7 +374,7 @@ class Execution:
             raise
         except ModelError as exc:
             self._fail_model(exception_text(exc, typed=False), exc.usage)
-        except Exception as exc:
+        except BaseException as exc:  # a model's SystemExit too, as _agents_own's
             if stops_the_task(exc):
                 raise
             self._check_abort()

@@ -45,7 +45,7 @@ from agentruns import (
 from agentruns.errors import InvalidCheckpointError
 from agentruns.events import Event
 from agentruns.models import ScriptedModel, text, tool_use
-from agentruns.models.base import ModelResponse
+from agentruns.models.base import ModelRequest, ModelResponse
 from agentruns.recovery import held_back
 from agentruns.runs import ERROR_MESSAGE_LENGTH, Run, utcnow
 from agentruns.schedulers import ManualScheduler
@@ -578,6 +578,52 @@ def test_a_write_larger_than_postgres_takes_fails_the_run_once(
     assert run.error.code == "internal_error"
     assert "more than Postgres takes in one statement" in run.error.message
     assert engine.recover() == [] and calls == [1]
+
+
+class _Interrupted(BaseException):
+    pass
+
+
+@pytest.mark.parametrize(
+    "raised", [SystemExit(2), KeyboardInterrupt(), GeneratorExit(), _Interrupted("odd")], ids=repr
+)
+def test_the_agents_own_code_or_model_raising_a_base_exception_fails_the_run(
+    make_engine: EngineFactory, errors: Errors, raised: BaseException
+) -> None:
+    # SystemExit from argparse (say) in the instructions, the tools callable or the
+    # model, in an execution's thread: the execution ended with the run left running
+    # and a traceback, and every recover() requeued it into the same, counted as lost
+    # with its worker. A tool raising it already gave the model a tool error.
+    def prompt(ctx: RunContext) -> str:
+        raise raised
+
+    def tools(ctx: RunContext) -> list[Any]:
+        raise raised
+
+    class Raising(ScriptedModel):
+        def complete(self, request: ModelRequest, signal: threading.Event) -> ModelResponse:
+            raise raised
+
+    engine = make_engine(
+        [
+            Agent("a", ScriptedModel([text("never")]), instructions=prompt),
+            Agent("b", ScriptedModel([text("never")]), tools=tools),
+            Agent("c", Raising([text("never")])),
+        ],
+        requeue_after=0.1,
+    )
+    for agent, code, said in (
+        ("a", "internal_error", f"instructions: {type(raised).__name__}"),
+        ("b", "internal_error", f"tools: {type(raised).__name__}"),
+        ("c", "model_error", type(raised).__name__),
+    ):
+        run = _run_to_end(engine, agent)
+        assert run.status is RunStatus.FAILED, run
+        assert run.error is not None and run.error.code == code, run.error
+        assert run.error.message.startswith(said), run.error.message
+        assert run.claim is None
+    assert engine.recover() == []
+    assert len(errors) == 2 and all(isinstance(e, Exception) for e in errors)
 
 
 def test_a_reply_no_store_can_keep_fails_as_the_models_error(make_engine: EngineFactory) -> None:

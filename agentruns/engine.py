@@ -48,7 +48,7 @@ from agentruns.runs import (
 )
 from agentruns.schedulers.base import Scheduler
 from agentruns.schedulers.local import LocalScheduler
-from agentruns.settings import MAX_SECONDS
+from agentruns.settings import MAX_SECONDS, MAX_SLOTS
 from agentruns.store.base import (
     Claimed,
     Commit,
@@ -57,6 +57,7 @@ from agentruns.store.base import (
     NewRun,
     Store,
 )
+from agentruns.store.schema import OWNER_LENGTH
 from agentruns.store.sql import SqlStore
 
 if TYPE_CHECKING:
@@ -87,11 +88,7 @@ class Engine:
         agents = list(agents)  # a generator, read once
         for agent in agents:  # before the store is opened
             _an_agent(agent)
-        if slots < 1 or not all(0 < t <= MAX_SECONDS for t in (lease_ttl, requeue_after)):
-            raise ValueError(
-                f"slots must be positive, and lease_ttl and requeue_after from 0 to "
-                f"{MAX_SECONDS} seconds (not {lease_ttl!r}, {requeue_after!r})"
-            )
+        _check_options(slots, lease_ttl, requeue_after, owner)
         self.store: Store = SqlStore(store) if isinstance(store, str) else store
         try:
             self.store.check_schema()
@@ -748,9 +745,45 @@ class Engine:
         return self.events.on(event, listener)
 
 
+def _check_options(slots: Any, lease_ttl: Any, requeue_after: Any, owner: Any) -> None:
+    """``ValueError`` for an engine's option it cannot work with, said before anything
+    is opened."""
+    if not _whole(slots) or not 1 <= slots <= MAX_SLOTS:
+        raise ValueError(f"slots must be a whole number from 1 to {MAX_SLOTS}, not {slots!r}")
+    times = (lease_ttl, requeue_after)
+    if not all(_number(t) and 0 < t <= MAX_SECONDS for t in times):
+        raise ValueError(
+            f"lease_ttl and requeue_after must be seconds from 0 to {MAX_SECONDS}"
+            f" (not {lease_ttl!r}, {requeue_after!r})"
+        )
+    if owner is not None and not (
+        isinstance(owner, str) and 0 < len(owner) <= OWNER_LENGTH and is_storable_key(owner)
+    ):
+        # Postgres refused every claim of such an owner (SQLite took them), and each
+        # dispatched run stayed queued, said only as "execution failed" in the log.
+        raise ValueError(
+            f"owner must be UTF-8 text of 1 to {OWNER_LENGTH} characters without NUL,"
+            f" not {owner!r}"[:300]
+        )
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
 def _signing_key(secret: str | None, leases: Leases) -> str:
     """The key resume tokens are signed with: the engine's secret, or, with none and
     in-process leases (the demo, tests), a random one good in this process only."""
+    if secret is not None and not (isinstance(secret, str) and is_storable_key(secret)):
+        # Bytes were taken, and every approval then waited with no token to answer it.
+        raise TypeError(
+            f"secret must be text (str), not {type(secret).__name__}: the same text"
+            " on every process (AGENTRUNS_SECRET); decode or base64 a key held as bytes"
+        )
     if secret == "":
         # An empty HMAC key signs tokens anyone who reads a waiting run can forge.
         raise ValueError("secret must not be empty (None: a random one for this process)")

@@ -15,6 +15,8 @@ from agentruns.errors import InvalidSettingError
 # The longest time any setting in seconds may name (a year): a lease's expiry, a
 # requeue age or a beat interval must still be a date.
 MAX_SECONDS = 365 * 24 * 3600
+# Runs one engine executes at once: each is a thread (close() took 34 s at 10^7).
+MAX_SLOTS = 10_000
 
 
 class Settings(BaseSettings):
@@ -31,7 +33,7 @@ class Settings(BaseSettings):
     secret: str | None = None
     agents: str = "workers.triage"
     lease_ttl: float = Field(default=30.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
-    slots: int = Field(default=8, ge=1)
+    slots: int = Field(default=8, ge=1, le=MAX_SLOTS)
     requeue_after: float = Field(default=60.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     tick_interval: float = Field(default=5.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)
     recover_interval: float = Field(default=15.0, gt=0, le=MAX_SECONDS, allow_inf_nan=False)

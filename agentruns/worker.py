@@ -22,7 +22,7 @@ from celery import signals
 from agentruns.celery import SWEEPS
 from agentruns.errors import first_line
 from agentruns.outages import is_outage
-from agentruns.settings import get_settings, is_redis_url
+from agentruns.settings import MAX_SLOTS, get_settings, is_redis_url
 
 if TYPE_CHECKING:
     from agentruns.engine import Engine
@@ -83,7 +83,7 @@ def _build_engine(app: Any = None) -> Engine:
         overrides["leases"] = RedisLeases(broker)
     if _slots is not None:
         # Every pool slot may hold a run; the pool, not the engine, is the limit here.
-        overrides["slots"] = max(settings.slots, _slots)
+        overrides["slots"] = min(MAX_SLOTS, max(settings.slots, _slots))
     # Agent modules (AGENTRUNS_AGENTS) import from the working directory (load_agents).
     engine = Engine.from_settings(**overrides)
     log.info(

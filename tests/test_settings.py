@@ -91,6 +91,36 @@ def test_an_engine_refuses_lease_and_requeue_times_that_are_not_finite(sqlite_ur
             Engine(SqlStore(sqlite_url), leases=LocalLeases(), secret="s", **times)
 
 
+def test_an_engine_refuses_options_it_cannot_work_with_before_anything_runs(
+    db_url: str,
+) -> None:
+    # On Postgres, an owner over 200 characters (or holding NUL) failed every claim,
+    # each dispatched run left queued and said only as "execution failed" in the log
+    # (SQLite took it); a bytes secret left every approval waiting with no token;
+    # 10^7 slots made close() take 34 s; "30" for lease_ttl raised a bare TypeError.
+    store = SqlStore(db_url)
+    try:
+        for options, error, said in (
+            ({"owner": "o" * 201}, ValueError, "owner must be UTF-8 text of 1 to 200"),
+            ({"owner": "pod\x00x"}, ValueError, "without NUL"),
+            ({"owner": ""}, ValueError, "owner must be"),
+            ({"owner": 5}, ValueError, "owner must be"),
+            ({"secret": b"key"}, TypeError, "secret must be text .str., not bytes"),
+            ({"secret": 5}, TypeError, "secret must be text"),
+            ({"slots": 10**7}, ValueError, "slots must be a whole number from 1 to 10000"),
+            ({"slots": True}, ValueError, "slots must be a whole number"),
+            ({"slots": 2.5}, ValueError, "slots must be a whole number"),
+            ({"lease_ttl": "30"}, ValueError, "lease_ttl and requeue_after must be seconds"),
+        ):
+            with pytest.raises(error, match=said):
+                Engine(store, leases=LocalLeases(), **{"secret": "s", **options})
+        with pytest.raises(ValidationError, match="less than or equal to 10000"):
+            Settings(slots=10**7)
+        Engine(store, leases=LocalLeases(), secret="s", owner="o" * 200, slots=10_000).close()
+    finally:
+        store.close()
+
+
 def test_an_engine_built_for_several_processes_needs_their_shared_secret(sqlite_url: str) -> None:
     settings = Settings(database_url=sqlite_url, redis_url=REDIS_URL, agents="")
     with pytest.raises(AgentrunsError, match="AGENTRUNS_SECRET is not set"):

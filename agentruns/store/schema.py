@@ -50,6 +50,8 @@ class JSON(sa.TypeDecorator[Any]):
 
 # The longest idempotency key, concurrency key or thread name, in characters.
 KEY_LENGTH = 500
+# An engine's owner name, in a claim (Engine refuses a longer one).
+OWNER_LENGTH = 200
 
 # The most tokens of a kind a run's counter holds (a bigint, on SQLite too).
 MOST_TOKENS = 2**63 - 1
@@ -105,7 +107,7 @@ runs = sa.Table(
     # The waiting wait point's token id, which a resume's guard compares: read out
     # of the JSON, a \u0000 anywhere in the tool's input made Postgres refuse it.
     sa.Column("waiting_token", sa.String(64)),
-    sa.Column("claim_owner", sa.String(200)),
+    sa.Column("claim_owner", sa.String(OWNER_LENGTH)),
     sa.Column("claim_expires_at", TS),
     sa.Column("cancel_requested", sa.Boolean, nullable=False, server_default=sa.false()),
     # The checkpoint pointer (SPEC §5) and the agent state stored with it.

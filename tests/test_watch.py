@@ -15,14 +15,24 @@ import pytest
 import redis
 import sqlalchemy as sa
 
-from agentruns import Agent, Engine, LocalLeases, RedisLeases, Run, RunStatus, SqlStore, tool
+from agentruns import (
+    Agent,
+    Engine,
+    FatalToolError,
+    LocalLeases,
+    RedisLeases,
+    Run,
+    RunStatus,
+    SqlStore,
+    tool,
+)
 from agentruns.broadcast import EventPublisher, channel, subscribe, summary
 from agentruns.cli.session import Session
 from agentruns.cli.watch import _Follower, _runs, _wakeups
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
 from agentruns.settings import Settings
-from agentruns.store import sql
+from agentruns.store import schema, sql
 from agentruns.wiring import engine_from_settings
 from tests.conftest import REDIS_URL, database_away, free_port, trigger
 from tests.support.private_redis import PrivateRedis
@@ -424,3 +434,134 @@ def test_a_worker_makes_no_events_while_nobody_watches(
             wakeups.close()
         engine.close()
         publisher.close()
+
+
+def _pushed_out(engine: Engine) -> None:
+    """Newer runs, settled, enough to push every older run out of a look's window."""
+    for _ in range(100):
+        engine.cancel(engine.dispatch("a", trigger({}), schedule=False).id)
+
+
+def _shown(out: io.StringIO, run_id: str) -> list[str | int]:
+    """What a JSON watch said of one run: its statuses, and its steps' indexes."""
+    said: list[str | int] = []
+    for line in out.getvalue().splitlines():
+        event = json.loads(line)
+        if event.get("run", {}).get("id") == run_id:
+            said.append(event["run"]["status"])
+        elif event.get("step", {}).get("run_id") == run_id:
+            said.append(event["step"]["index"])
+    return said
+
+
+def test_a_run_that_settles_outside_the_watched_window_is_shown_settled(
+    sqlite_url: str,
+) -> None:
+    # A look reads the 100 newest runs and the active ones: a run that settled once
+    # newer runs had pushed it out was never read again. Its last steps and final
+    # state were never printed, and --until-final waited for it for ever.
+    engine = _manual_engine(sqlite_url)
+    try:
+        out = io.StringIO()
+        follower = _Follower(Session(as_json=True, out=out), engine, history=False)
+        run = engine.dispatch("a", trigger({}), schedule=False)
+        follower.poll(_runs(engine, None), baseline=True)
+        _pushed_out(engine)
+        follower.poll(_runs(engine, None), baseline=False)
+        assert engine.execute(run.id).status is RunStatus.COMPLETED
+        assert run.id not in {r.id for r in _runs(engine, None)}
+        follower.poll(_runs(engine, None), baseline=False)
+        assert _shown(out, run.id) == ["queued", 0, "completed"]
+        assert follower.settled()
+        follower.poll(_runs(engine, None), baseline=False)
+        assert run.id not in follower.status  # forgotten once shown settled
+    finally:
+        engine.close()
+
+
+def _failing_once(url: str) -> Engine:
+    """Agent "a" calls a tool that fails the run the first time, then answers "done"."""
+    calls: list[int] = []
+
+    @tool
+    def flaky() -> str:
+        """Flaky."""
+        calls.append(1)
+        if len(calls) == 1:
+            raise FatalToolError("down")
+        return "up"
+
+    model = ScriptedModel([tool_use("flaky", {}), text("done")])
+    return _manual_engine(url, Agent("a", model, tools=[flaky]))
+
+
+def test_a_retried_run_back_in_the_window_shows_only_its_new_steps(sqlite_url: str) -> None:
+    # A run forgotten once it left the window settled, then retried, was taken for a
+    # new one: all its steps were printed again (and, with the run out of the window
+    # again, its new final state never).
+    engine = _failing_once(sqlite_url)
+    try:
+        out = io.StringIO()
+        follower = _Follower(Session(as_json=True, out=out), engine, history=False)
+        run = engine.dispatch("a", trigger({}), schedule=False)
+        follower.poll(_runs(engine, None), baseline=True)
+        assert engine.execute(run.id).status is RunStatus.FAILED
+        follower.poll(_runs(engine, None), baseline=False)
+        before = len(engine.steps(run.id))
+        _pushed_out(engine)
+        follower.poll(_runs(engine, None), baseline=False)
+        assert run.id not in follower.status  # forgotten
+        engine.retry(run.id)
+        follower.poll(_runs(engine, None), baseline=False)
+        assert engine.execute(run.id).status is RunStatus.COMPLETED
+        follower.poll(_runs(engine, None), baseline=False)
+        after = len(engine.steps(run.id))
+        assert after > before
+        assert _shown(out, run.id) == [
+            "queued",
+            *range(before),
+            "failed",
+            "queued",
+            *range(before, after),
+            "completed",
+        ]
+    finally:
+        engine.close()
+
+
+def test_a_run_failed_before_the_watch_began_shows_only_the_steps_of_its_retry(
+    sqlite_url: str,
+) -> None:
+    engine = _failing_once(sqlite_url)
+    try:
+        run = engine.dispatch("a", trigger({}), schedule=False)
+        assert engine.execute(run.id).status is RunStatus.FAILED
+        before = len(engine.steps(run.id))
+        _pushed_out(engine)
+        out = io.StringIO()
+        follower = _Follower(Session(as_json=True, out=out), engine, history=False)
+        follower.poll(_runs(engine, None), baseline=True)
+        engine.retry(run.id)
+        follower.poll(_runs(engine, None), baseline=False)
+        assert engine.execute(run.id).status is RunStatus.COMPLETED
+        follower.poll(_runs(engine, None), baseline=False)
+        after = len(engine.steps(run.id))
+        assert _shown(out, run.id) == ["queued", *range(before, after), "completed"]
+    finally:
+        engine.close()
+
+
+def test_a_held_run_deleted_by_hand_is_let_go(sqlite_url: str) -> None:
+    # Read again by id as it left the look, a deleted run was held unsettled for ever.
+    engine = _manual_engine(sqlite_url)
+    try:
+        follower = _Follower(Session(as_json=True, out=io.StringIO()), engine, history=False)
+        run = engine.dispatch("a", trigger({}), schedule=False)
+        follower.poll(_runs(engine, None), baseline=True)
+        assert not follower.settled()
+        with sa.create_engine(sqlite_url).begin() as conn:
+            conn.execute(schema.runs.delete().where(schema.runs.c.id == run.id))
+        follower.poll(_runs(engine, None), baseline=False)
+        assert follower.settled() and run.id not in follower.status
+    finally:
+        engine.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
 from typing import Any
@@ -26,6 +27,11 @@ from agentruns.runs import Run, RunStatus, Step, utcnow
 from agentruns.store.base import RunHead
 
 ACTIVE = [RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.WAITING, RunStatus.INTERRUPTED]
+# Runs a look reads again by id, at most: those the watcher holds unsettled that settled
+# outside its window (the rest wait for the next look).
+REREAD = 1000
+# Step counts kept of runs forgotten settled, at most: a retry brings such a run back.
+REMEMBERED = 10_000
 
 
 class _Follower:
@@ -38,6 +44,9 @@ class _Follower:
         self.steps: dict[str, int] = {}
         self.held: list[str] | None = None  # lines kept back while set
         self.started: dict[str, datetime] = {}  # runs an event said started, and when
+        # The step counts of runs forgotten settled, oldest first (see _old_steps).
+        self.forgotten: OrderedDict[str, int] = OrderedDict()
+        self.began = utcnow()
 
     def emit(self, line: str) -> None:
         if self.held is not None:
@@ -48,6 +57,8 @@ class _Follower:
     def poll(self, looked: Sequence[Run | RunHead], baseline: bool) -> None:
         """Show what changed in the runs of a look. A run is read in full only when its
         status line is shown: its wait point, say, may hold a tool's large input."""
+        if not baseline:
+            looked = [*looked, *self._left(looked)]
         for head in sorted(looked, key=lambda r: r.created_at):
             if self.updated.get(head.id) == head.updated_at:
                 continue
@@ -73,8 +84,8 @@ class _Follower:
         # leaves the run to be shown by the next look, not taken as shown.
         steps = self.engine.steps(run.id)
         self.updated[run.id] = run.updated_at
-        if new and not self.history:
-            self.steps[run.id] = len(steps) if baseline else 0
+        if run.id not in self.steps and not self.history:  # (one settled when first seen too)
+            self.steps[run.id] = len(steps) if baseline else self._old_steps(run.id, steps)
         changed = new or self.status[run.id] != run.status
         started = self.started.pop(run.id, None)
         # An execution's steps come after it starts running and before it settles.
@@ -93,18 +104,53 @@ class _Follower:
             self._step(step)
         self.steps[run_id] = len(steps)
 
+    def _left(self, looked: Sequence[Run | RunHead]) -> list[Run]:
+        """The runs held unsettled that a look lacks, read again by id: a look holds
+        only the newest runs and the active ones, so a run that settled once newer
+        runs had pushed it out of the window is shown settled only by this read (and
+        ``--until-final`` waited for it for ever). A run this read lacks was deleted."""
+        shown = {run.id for run in looked}
+        held = [r for r, status in self.status.items() if not status.is_final]
+        lost = [r for r in held if r not in shown][:REREAD]
+        again = self.engine.store.get_runs(lost)
+        found = {run.id for run in again}
+        for run_id in lost:
+            if run_id not in found:
+                self._drop(run_id)
+        return again
+
+    def _old_steps(self, run_id: str, steps: list[Step]) -> int:
+        """How many of the steps of a run first seen after the baseline are not new: a
+        run forgotten settled and back (retried) shows only the steps after those it
+        had; one that settled before the watch began, only those after it began."""
+        count = self.forgotten.pop(run_id, None)
+        if count is not None:
+            return count
+        return next(
+            (i for i, step in enumerate(steps) if step.finished_at > self.began), len(steps)
+        )
+
     def _forget(self, runs: Sequence[Run | RunHead]) -> None:
         """Keep only what a later look can need (a watcher may run for months): a run
-        that left the watched window settled never changes again, and a start heard
-        of a run the look did not show is another deployment's."""
+        that left the watched window settled changes again only if retried (its step
+        count is kept a while for that), and a start heard of a run the look did not
+        show is another deployment's."""
         shown = {run.id for run in runs}
         for run_id in [r for r, status in self.status.items() if status.is_final]:
             if run_id not in shown:
-                del self.status[run_id]
-                self.updated.pop(run_id, None)
-                self.steps.pop(run_id, None)
+                count = self.steps.get(run_id)
+                self._drop(run_id)
+                if count is not None:
+                    self.forgotten[run_id] = count
+                    if len(self.forgotten) > REMEMBERED:
+                        self.forgotten.popitem(last=False)
         for run_id in [r for r in self.started if r not in shown]:
             del self.started[run_id]
+
+    def _drop(self, run_id: str) -> None:
+        self.status.pop(run_id, None)
+        self.updated.pop(run_id, None)
+        self.steps.pop(run_id, None)
 
     def heard(self, event: dict[str, object]) -> None:
         """An event published by an engine: note when a run started running, unless

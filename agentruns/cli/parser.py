@@ -24,13 +24,19 @@ class Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def _positive(value: str) -> float:
+# Bounds of watch's --interval: below, a watch spends a database read on each few
+# milliseconds; above, the time of its next look overflows ("timestamp out of range").
+INTERVAL = (0.05, 86400.0)
+
+
+def _interval(value: str) -> float:
     try:
         number = float(value)
     except ValueError:
         number = math.nan  # refused below, in the same words
-    if not 0 < number < math.inf:  # NaN fails this too
-        raise argparse.ArgumentTypeError(f"must be a positive number of seconds, not {value!r}")
+    low, high = INTERVAL
+    if not low <= number <= high:  # NaN fails this too
+        raise argparse.ArgumentTypeError(f"must be from {low:g} to {high:g} seconds, not {value!r}")
     return number
 
 
@@ -109,5 +115,7 @@ def build() -> Parser:
     p = command("watch", "follow runs live: status changes and new steps", commands.cmd_watch)
     p.add_argument("--run", metavar="RUN", help="only this run, from its first step")
     p.add_argument("--until-final", action="store_true", help="stop once the runs settle")
-    p.add_argument("--interval", type=_positive, default=0.5, help="seconds between polls")
+    p.add_argument(
+        "--interval", type=_interval, default=0.5, help="seconds between polls, 0.05 to 86400"
+    )
     return parser

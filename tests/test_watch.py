@@ -565,3 +565,35 @@ def test_a_held_run_deleted_by_hand_is_let_go(sqlite_url: str) -> None:
         assert follower.settled() and run.id not in follower.status
     finally:
         engine.close()
+
+
+def test_a_watch_whose_reader_went_away_ends_though_it_has_nothing_to_print(
+    sqlite_url: str,
+) -> None:
+    # `agentruns watch --run RUN | head -1` on a settled run: the watch printed
+    # nothing more, so it never met the broken pipe, and never ended.
+    engine = _manual_engine(sqlite_url)
+    try:
+        run = engine.dispatch("a", trigger({}), schedule=False)
+        assert engine.execute(run.id).status is RunStatus.COMPLETED
+    finally:
+        engine.close()
+    env = {**os.environ, "AGENTRUNS_DATABASE_URL": sqlite_url, "PYTHONPATH": str(ROOT)}
+    env.pop("AGENTRUNS_REDIS_URL", None)
+    watcher = subprocess.Popen(
+        [sys.executable, "-m", "agentruns.cli", "watch", "--run", run.id, "--interval", "0.1"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert watcher.stdout is not None and watcher.stderr is not None
+        assert run.id[:8] in watcher.stdout.readline()
+        watcher.stdout.close()  # as `head -1` does
+        assert watcher.wait(timeout=10) == 0
+        assert watcher.stderr.read() == ""
+    finally:
+        if watcher.poll() is None:
+            watcher.kill()
+            watcher.wait()

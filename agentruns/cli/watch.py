@@ -8,12 +8,13 @@ The store stays the truth either way: events only say when to look.
 from __future__ import annotations
 
 import json
+import select
 import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from datetime import datetime
-from typing import Any
+from typing import Any, TextIO
 
 import redis
 
@@ -237,6 +238,8 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
     lost = _Lost()
     try:
         for events in _wakeups(session, interval):
+            if _reader_gone(session.out):
+                raise BrokenPipeError  # as a write would meet it: the command ends, exit 0
             # (An empty list: subscribed again, events may have been missed: a look.)
             if events:
                 # One look for all the events that came together, and none for
@@ -253,6 +256,19 @@ def watch(session: Session, *, run_id: str | None, until_final: bool, interval: 
     except KeyboardInterrupt:
         pass
     return 0
+
+
+def _reader_gone(out: TextIO) -> bool:
+    """Whether ``out`` is a pipe whose reader went away (``agentruns watch | head -1``):
+    a watch that has nothing more to print (its run settled) never met the broken
+    pipe a write would, and never ended."""
+    try:
+        fd = out.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's StringIO)
+        return False
+    poller = select.poll()
+    poller.register(fd, 0)  # a pipe's reader gone is POLLERR, a terminal's POLLHUP: always said
+    return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
 
 
 class _Lost:

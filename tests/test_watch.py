@@ -551,6 +551,28 @@ def test_a_run_failed_before_the_watch_began_shows_only_the_steps_of_its_retry(
         engine.close()
 
 
+def test_a_run_settled_when_the_watch_began_shows_only_the_steps_of_its_retry(
+    sqlite_url: str,
+) -> None:
+    # Its steps were not read when the watch began (it had settled): a retry showed
+    # them all as if new.
+    engine = _failing_once(sqlite_url)
+    try:
+        run = engine.dispatch("a", trigger({}), schedule=False)
+        assert engine.execute(run.id).status is RunStatus.FAILED
+        before = len(engine.steps(run.id))
+        out = io.StringIO()
+        follower = _Follower(Session(as_json=True, out=out), engine, history=False)
+        follower.poll(_runs(engine, None), baseline=True)
+        engine.retry(run.id)
+        assert engine.execute(run.id).status is RunStatus.COMPLETED
+        follower.poll(_runs(engine, None), baseline=False)
+        after = len(engine.steps(run.id))
+        assert _shown(out, run.id) == [*range(before, after), "completed"]
+    finally:
+        engine.close()
+
+
 def test_a_held_run_deleted_by_hand_is_let_go(sqlite_url: str) -> None:
     # Read again by id as it left the look, a deleted run was held unsettled for ever.
     engine = _manual_engine(sqlite_url)

@@ -399,14 +399,15 @@ def test_a_dispatch_that_fails_inside_a_callers_batch_leaves_the_rest_of_it(
     sends the dispatches around it (kombu's nested batches would abort it all)."""
     from kombu.exceptions import EncodeError
 
+    from agentruns import Budget
     from agentruns.errors import InvalidTriggerError
     from agentruns.tasks import dispatch
 
     with dispatch.app.producer_or_acquire() as producer, producer.batch():
         before = dispatch.apply_async(("quick", trigger({})), producer=producer).id
-        with pytest.raises(EncodeError):
-            key = {"idempotency_key": object()}
-            dispatch.apply_async(("quick", trigger({})), key, producer=producer)
+        with pytest.raises(EncodeError):  # a valid budget, but not as JSON
+            budget = {"budget": Budget(max_steps=3)}
+            dispatch.apply_async(("quick", trigger({})), budget, producer=producer)
         with pytest.raises(InvalidTriggerError):  # refused before it is encoded
             dispatch.apply_async(("quick", trigger({"at": object()})), producer=producer)
         after = dispatch.apply_async(("quick", trigger({})), producer=producer).id

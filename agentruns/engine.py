@@ -720,6 +720,8 @@ class Engine:
         self, status: RunStatus | str | None = None, agent: str | None = None, limit: int = 100
     ) -> list[Run]:
         intake.limit(limit)
+        if agent is not None and not isinstance(agent, str):
+            raise TypeError(f"agent must be an agent's name (str), not {agent!r}")
         if agent is not None and not is_storable_key(agent):
             return []  # no agent can have such a name
         return self.store.list_runs(RunStatus(status) if status else None, agent, limit)

@@ -285,6 +285,9 @@ def test_a_run_id_or_agent_name_holding_a_nul_is_not_found_on_either_store(
                 call(run_id)
     assert engine.list_runs(agent="a\x00") == []
     assert [r.id for r in engine.list_runs(agent="a")] == [run.id]
+    # Not a name at all: "argument of type 'int' is not iterable".
+    with pytest.raises(TypeError, match="agent must be an agent's name"):
+        engine.list_runs(agent=5)
 
 
 def _run_to_end(engine: Any, agent: str = "a", **kwargs: Any) -> Any:

@@ -4,11 +4,14 @@ One thread per engine watches every held lease. Every ``lease_ttl/3`` it has
 the lease renewed on a small pool (in Redis, then the claim's expiry in the
 database, fenced by the epoch), so a renewal stalled on Redis delays no one's
 timeout. A renewal that fails, or none that succeeds before the lease could
-expire, aborts that execution as lost, and its lease is renewed no more: the
-execution may be stuck a long while yet (a statement on a silent server, a tool
-that does not heed its signal), and the lease must lapse for another engine to
-take the run over. This live process notes that it let the claim go, at once,
-for ``recover`` not to take it for a crash. A claim whose run was asked to cancel
+expire, aborts that execution as lost. A failed renewal is tried again at its
+time while the execution ends (a tool call in flight may not heed the abort, and
+the lease keeps another engine from making it again meanwhile); once a whole TTL
+passed with none that went through (Postgres cut off from this engine alone, the
+execution stuck on a statement to a silent server), the lease is renewed no more,
+for it to lapse and another engine to take the run over, and this live process
+notes at once that it let the claim go, for ``recover`` not to take it for a
+crash. A claim whose run was asked to cancel
 aborts it as cancelled (the fallback when the cancel's pub/sub message was
 missed). With leases only this process sees (``LocalLeases``), a cancel asked
 in another process has no message to come by: the keeper looks for cancels in
@@ -45,6 +48,7 @@ class _Kept:
         self.renewing = False
         # Its lease could not be kept: it is renewed no more (see _lose).
         self.lost = False
+        self.failed = False  # a renewal failed (said once)
 
 
 class LeaseKeeper:
@@ -161,8 +165,7 @@ class LeaseKeeper:
                 if now >= item.held_until and not item.lost:
                     # No renewal made it in time: another engine may hold the run now.
                     self._lose(item, noted_later=True)
-                lost = item.lost or item.execution.reason is Abort.LEASE_LOST
-                if now >= item.next_renewal and not item.renewing and not lost:
+                if now >= item.next_renewal and not item.renewing and not item.lost:
                     item.next_renewal = now + self._ttl / 3
                     item.renewing = True
                     try:
@@ -184,17 +187,28 @@ class LeaseKeeper:
                 item.execution.abort(Abort.CANCEL)
 
     def _renew(self, item: _Kept) -> None:
+        """Renew the lease, then the claim. One that is no longer this engine's is lost
+        for good. One that failed (a blip of Redis or Postgres) aborts the execution,
+        and is renewed again at its time: the execution may not stop at once (a tool
+        call in flight that does not heed its signal), and its lease keeps another
+        engine from making that call again meanwhile. Renewed no more once a whole
+        TTL passed without a renewal that went through (``_watch``)."""
         execution = item.execution
         started = time.monotonic()
-        cancel: bool | None = None
         try:
-            if self._leases.renew(execution.run_id, self._owner, self._ttl):
-                cancel = self._store.renew_claim(execution.run_id, execution.epoch, self.expiry())
+            held = self._leases.renew(execution.run_id, self._owner, self._ttl)
+            cancel = held and self._store.renew_claim(
+                execution.run_id, execution.epoch, self.expiry()
+            )
         except Exception as exc:
-            self._report(exc)
+            if not item.failed:  # one line per execution, not one per renewal
+                self._report(exc)
+            item.failed = True
+            execution.abort(Abort.LEASE_LOST)
+            return
         finally:
             item.renewing = False
-        if cancel is None:
+        if not held or cancel is None:
             self._lose(item)
             return
         item.held_until = started + self._ttl

@@ -184,7 +184,8 @@ class RunError(_Model):
     @classmethod
     def _storable(cls, value: str) -> str:
         # What an error says often quotes what caused it: the error must be stored anyway.
-        return storable_text(shortened(value, ERROR_MESSAGE_LENGTH))
+        # (Escaped first: an escape is 6 characters, and a re-read must change nothing.)
+        return shortened(storable_text(value), ERROR_MESSAGE_LENGTH)
 
 
 class Claim(_Model):

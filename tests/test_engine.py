@@ -776,6 +776,11 @@ def test_a_huge_error_is_kept_shortened_and_says_how_much_more_there_was(
     assert len(run.error.message) <= ERROR_MESSAGE_LENGTH
     step = engine.steps(run.id)[-1]
     assert step.error is not None and step.error["message"].endswith(" more characters)")
+    # Lone surrogates are escaped (6 characters each) before it is shortened: stored,
+    # it was 18,018 characters, and each read shortened it again.
+    escaped = RunError(code="x", message="cannot open " + "\udc80" * 3000).message
+    assert len(escaped) <= ERROR_MESSAGE_LENGTH and escaped.startswith("cannot open \\udc80")
+    assert RunError(code="x", message=escaped).message == escaped
 
 
 def test_tool_errors_invalid_arguments_and_unknown_tools_reach_the_model(

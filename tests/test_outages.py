@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+import urllib.parse
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -385,6 +386,50 @@ def test_a_lease_whose_claim_could_not_be_renewed_lapses_though_its_execution_is
         proxy.restore()
         engine.close()
         direct.close()
+
+
+def test_a_lease_whose_renewal_failed_once_is_kept_while_its_effect_call_goes_on(
+    db_url: str, redis_prefix: str, errors: Errors
+) -> None:
+    # A blip of Redis under a second failed one renewal: the lease was renewed no
+    # more and lapsed while the effect's call (deaf to ctx.signal) went on, and
+    # another worker made the call again, at the same time.
+    host, port = urllib.parse.urlsplit(REDIS_URL).netloc.split(":")
+    redis_proxy = Proxy((host, int(port)))
+    paid: list[str] = []
+    release = threading.Event()
+
+    @tool(effect=True)
+    def pay(amount: int, ctx: ToolContext) -> str:
+        """Pay."""
+        paid.append(ctx.idempotency_key)
+        release.wait(30)
+        return "paid"
+
+    agent = Agent("a", ScriptedModel([tool_use("pay", {"amount": 5}), text("Done.")]), tools=[pay])
+    leases_url = REDIS_URL.replace(f"{host}:{port}", f"{host}:{redis_proxy.port}")
+    leases = RedisLeases(leases_url, prefix=redis_prefix)
+    engine = _engine(db_url, leases, agent, errors, lease_ttl=3.0)
+    direct = RedisLeases(REDIS_URL, prefix=redis_prefix)
+    try:
+        run = engine.dispatch("a", trigger({}))
+        wait_for(lambda: paid, "the call")
+        redis_proxy.cut()
+        wait_for(lambda: errors.of(redis.exceptions.ConnectionError), "a renewal to fail")
+        redis_proxy.restore()
+        deadline = time.monotonic() + 4.5  # past the lease's TTL from the failed renewal
+        while time.monotonic() < deadline:
+            assert direct.holder(run.id) == engine.owner  # renewed again: nobody else takes it
+            time.sleep(0.1)
+        release.set()
+        wait_for(lambda: engine.idle(0), "the aborted execution to end")
+        _finish_recovering(engine, run.id, timeout=20)
+        assert len(paid) == 1  # the next execution found its record
+    finally:
+        release.set()
+        engine.close()
+        direct.close()
+        redis_proxy.close()
 
 
 def test_redis_going_away_aborts_the_execution_and_recover_finishes_the_run(

@@ -740,6 +740,28 @@ def test_what_the_server_said_is_kept_in_one_shortened_line(
     assert len(retried) == 1 and "\n" not in retried[0] and len(retried[0]) < 1200
 
 
+def test_a_call_id_an_earlier_release_renamed_is_sent_as_the_api_takes_it(
+    fake: FakeAnthropic,
+) -> None:
+    # Stored as "toolu_1~2" (refused by the API's id pattern): the run failed with a
+    # 400, and every retry again.
+    messages = [
+        {"role": "user", "content": "Go."},
+        {"role": "assistant", "content": [tool_use("search_issues", {}, id="toolu_1~2")]},
+        {
+            "role": "user",
+            "content": [{"type": "tool_result", "tool_use_id": "toolu_1~2", "content": "[]"}],
+        },
+    ]
+    fake.push(reply(text("Done.")))
+    make_model(fake).complete(request(messages), threading.Event())
+    assert fake.refused == []
+    sent = fake.requests[0].messages
+    assert sent[1]["content"][0]["id"] == "toolu_1-2"
+    assert sent[2]["content"][0]["tool_use_id"] == "toolu_1-2"
+    assert messages[1]["content"][0]["id"] == "toolu_1~2"  # the transcript is untouched
+
+
 def test_a_paused_turns_blank_text_is_not_sent_back_in_its_continuation(
     fake: FakeAnthropic,
 ) -> None:

@@ -266,8 +266,18 @@ class AnthropicModel:
 
 
 def _canonical(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A deep copy with sorted keys: the same transcript always serialises the same."""
+    """A deep copy with sorted keys: the same transcript always serialises the same.
+    An earlier release renamed a repeated call id ``call_1~2``, which the API refuses
+    (letters, digits, ``_`` and ``-``): such an id is sent as ``call_1-2``, and kept
+    as it is in the transcript (an effect's record is kept by it)."""
     copied: list[dict[str, Any]] = json.loads(json.dumps(messages, sort_keys=True))
+    for message in copied:
+        content = message.get("content")
+        for block in content if isinstance(content, list) else ():
+            for field in ("id", "tool_use_id"):
+                said = block.get(field) if isinstance(block, dict) else None
+                if isinstance(said, str) and "~" in said:
+                    block[field] = said.replace("~", "-")
     return copied
 
 

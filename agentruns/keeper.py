@@ -77,6 +77,9 @@ class LeaseKeeper:
         self._thread: threading.Thread | None = None
         # Renewals wait on Redis and Postgres; timeouts must not wait for them.
         self._renewals = ThreadPoolExecutor(max_workers=4, thread_name_prefix="agentruns-renew")
+        # Notes of claims let go, apart: the renewals' threads may all be stuck on a
+        # silent Postgres, the very case the notes are for (they go to the leases).
+        self._notes = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agentruns-given-up")
         self._look_for_cancels = bool(getattr(leases, "process_local", False))
         self._looking = False
 
@@ -144,6 +147,7 @@ class LeaseKeeper:
     def stop(self) -> None:
         self._stop.set()
         self._renewals.shutdown(wait=False)
+        self._notes.shutdown(wait=False)
 
     def _watch(self) -> None:
         interval = min(0.1, self._ttl / 10)
@@ -218,7 +222,7 @@ class LeaseKeeper:
     def _lose(self, item: _Kept, noted_later: bool = False) -> None:
         """The lease could not be kept: the execution stops, and this live process notes
         that it let the claim go (a lost lease is no crash of the run's step), on the
-        renewals' pool if ``noted_later`` (the watcher waits on no one)."""
+        notes' own thread if ``noted_later`` (the watcher waits on no one)."""
         if item.lost:
             return
         item.lost = True
@@ -227,7 +231,7 @@ class LeaseKeeper:
         if noted_later:
             # Stopped meanwhile: the execution notes it as it ends.
             with contextlib.suppress(RuntimeError):
-                self._renewals.submit(self._note_given_up, execution)
+                self._notes.submit(self._note_given_up, execution)
         else:
             self._note_given_up(execution)
 

@@ -322,3 +322,40 @@ def test_a_cancel_heard_before_its_run_is_kept_aborts_it_within_a_lease_ttl_only
         assert Abort.CANCEL not in late.aborted  # (its lease, never taken, may be "lost")
     finally:
         keeper.stop()
+
+
+def test_claims_let_go_are_noted_though_every_renewal_is_stuck_on_the_store() -> None:
+    # Postgres gone silent under open connections: five renewals stuck on it held all
+    # of the pool's threads, and the notes that the live engine let the runs go, queued
+    # behind them, were never written (recover took each run for lost with its worker).
+    from agentruns.keeper import LeaseKeeper
+
+    silent = threading.Event()
+
+    class SilentStore:
+        def renew_claim(self, run_id: str, epoch: int, expires_at: object) -> bool:
+            silent.wait(30)  # a statement to a server gone silent
+            return False
+
+        def cancels_requested(self, run_ids: list[str]) -> set[str]:
+            return set()
+
+    noted: list[str] = []
+    leases = LocalLeases()
+    keeper = LeaseKeeper(
+        leases,
+        SilentStore(),
+        "me",
+        0.6,
+        lambda exc: None,
+        lambda run_id, epoch: noted.append(run_id),  # type: ignore[arg-type]
+    )
+    try:
+        runs = [f"r{n}" for n in range(5)]
+        for run_id in runs:
+            assert leases.acquire(run_id, "me", 0.6)
+            keeper.keep(_Execution(run_id), None, time.monotonic())  # type: ignore[arg-type]
+        wait_for(lambda: sorted(noted) == runs, "every run's note", timeout=5)
+    finally:
+        silent.set()
+        keeper.stop()

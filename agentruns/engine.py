@@ -355,7 +355,15 @@ class Engine:
         when it could not be claimed (and False)."""
         try:
             leased = time.monotonic()
-            if self._draining or not self.leases.acquire(run_id, self.owner, self.lease_ttl):
+            # Not while an execution of the run that lost its lease is still here (stuck
+            # on a silent Postgres): as it ends, it would let go of the lease and the
+            # keeping of the new one, both under this engine's name. recover() sends
+            # the run again later, to this engine or another.
+            if (
+                self._draining
+                or self._keeper.keeps(run_id)
+                or not self.leases.acquire(run_id, self.owner, self.lease_ttl)
+            ):
                 return self.store.get_run(run_id), False
         except Exception as exc:
             self.report(exc)

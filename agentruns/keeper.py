@@ -140,6 +140,11 @@ class LeaseKeeper:
         for item in kept:
             item.execution.abort(reason)
 
+    def keeps(self, run_id: str) -> bool:
+        """Is an execution of the run still here (one that lost its lease, stuck)?"""
+        with self._lock:
+            return run_id in self._kept
+
     def busy(self) -> bool:
         with self._lock:
             return bool(self._kept)

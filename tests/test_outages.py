@@ -381,6 +381,15 @@ def test_a_lease_whose_claim_could_not_be_renewed_lapses_though_its_execution_is
         time.sleep(1.5)
         assert leases.holder(run.id) is None  # and is renewed no more
         assert len(errors.of(sqlalchemy.exc.OperationalError)) == 1  # said once
+        # Requeued while the execution is still stuck here: this engine does not take
+        # the run (as the stuck one ended, it let go of the new one's lease and keeping,
+        # under the same name); another engine may.
+        proxy.restore()
+        assert run.id in engine.recover()
+        time.sleep(1.0)
+        again = direct.run_ref(run.id)
+        assert again is not None and again.status is RunStatus.QUEUED, again
+        assert again.epoch == ref.epoch and leases.holder(run.id) is None
     finally:
         release.set()
         proxy.restore()

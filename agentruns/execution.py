@@ -236,7 +236,7 @@ class Execution:
         while True:
             self._check_abort()
             self._check_budget()
-            response = self._call_model(ModelRequest(system, messages, specs))
+            response = self._call_model(ModelRequest(system, messages, specs, self.run.id))
             self._model_step(messages, response)
 
     # -- start point -------------------------------------------------------------

@@ -281,8 +281,10 @@ def test_two_overloaded_errors_then_success_complete_with_one_request_per_try(
     assert [sdk_retries(r) for r in fake.requests] == ["0", "0", "0"]
     # ... and of the same request: the retries resend it unchanged.
     assert fake.requests[0].raw == fake.requests[1].raw == fake.requests[2].raw
-    retried = [r for r in caplog.records if "retrying" in r.getMessage()]
+    retried = [r.getMessage() for r in caplog.records if "retrying" in r.getMessage()]
     assert len(retried) == 2
+    # Naming the run (a worker's log interleaves many runs' calls).
+    assert all(m.startswith(f"Anthropic call of run {run.id} failed (try ") for m in retried)
     # The failed tries leave no trace in the run: one model step, one reply's usage.
     assert [s.kind for s in engine.steps(run.id)] == ["llm"]
     assert run.usage == Usage(input_tokens=50, output_tokens=5)

@@ -38,6 +38,8 @@ class ModelRequest:
     system: str
     messages: list[dict[str, Any]]
     tools: list[ToolSpec] = field(default_factory=list)
+    # The run the call is for, for a model's log lines (a retry's warning).
+    run_id: str | None = None
 
 
 @dataclass(frozen=True)

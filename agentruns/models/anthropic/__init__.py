@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import logging
@@ -131,7 +132,7 @@ class AnthropicModel:
             turn = [*messages, {"role": "assistant", "content": raw}] if raw else messages
             try:
                 marked = _with_cache_marks(turn, marks)
-                message = self._call(client, {**params, "messages": marked}, signal)
+                message = self._call(client, {**params, "messages": marked}, signal, request.run_id)
                 usage = usage + _usage(message)
             except ModelError as exc:
                 # The paused turns before it were answered, and counted by the provider.
@@ -193,7 +194,11 @@ class AnthropicModel:
     # one call: tries, backoff, abort
 
     def _call(
-        self, client: anthropic.Anthropic, params: dict[str, Any], signal: threading.Event
+        self,
+        client: anthropic.Anthropic,
+        params: dict[str, Any],
+        signal: threading.Event,
+        run_id: str | None = None,
     ) -> Message:
         def sleep(seconds: float) -> None:
             if signal.wait(seconds):
@@ -204,7 +209,7 @@ class AnthropicModel:
             retry=tenacity.retry_if_exception(failures.is_transient),
             wait=self._wait,
             sleep=sleep,
-            before_sleep=failures.log_retry,
+            before_sleep=functools.partial(failures.log_retry, run_id=run_id),
             reraise=True,
         )
         try:

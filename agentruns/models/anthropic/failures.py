@@ -74,12 +74,17 @@ def retry_after(exc: BaseException) -> float | None:
     return None
 
 
-def log_retry(state: tenacity.RetryCallState) -> None:
+def log_retry(state: tenacity.RetryCallState, run_id: str | None = None) -> None:
     exc = state.outcome.exception() if state.outcome is not None else None
     wait = state.next_action.sleep if state.next_action is not None else 0.0
     said = one_line(str(exc), _DETAIL_LENGTH)
+    of = f" of run {run_id}" if run_id else ""
     log.warning(
-        "Anthropic call failed (try %d): %s; retrying in %.2fs", state.attempt_number, said, wait
+        "Anthropic call%s failed (try %d): %s; retrying in %.2fs",
+        of,
+        state.attempt_number,
+        said,
+        wait,
     )
 
 

@@ -123,7 +123,7 @@ def subscribe(
     empty list, once Redis confirms the subscription; None every ``timeout`` seconds
     of quiet."""
     client = redis.Redis.from_url(url, socket_connect_timeout=5)
-    pubsub = client.pubsub()  # type: ignore[no-untyped-call]
+    pubsub = client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]  # typed only in newer redis-py
     try:
         pubsub.subscribe(channel(client, prefix))
         while True:

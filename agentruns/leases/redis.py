@@ -121,7 +121,7 @@ class RedisLeases:
         backoff = _BACKOFF_MIN_S
         lost = False  # said once per outage, with its traceback; then that it is back
         while not self._stopping.is_set():
-            pubsub = self._client.pubsub()  # type: ignore[no-untyped-call]  # untyped in redis-py
+            pubsub = self._client.pubsub()  # type: ignore[no-untyped-call,unused-ignore]  # typed only in newer redis-py
             try:
                 pubsub.subscribe(self._abort_channel)
                 while not self._stopping.is_set():

@@ -436,6 +436,40 @@ def test_a_second_ctrl_c_cuts_the_drain_short_without_a_traceback(cli: Cli, tmp_
     assert err.strip() == "agentruns: interrupted", err
 
 
+def test_the_cli_module_imports_nothing_heavy() -> None:
+    # What the console script imports before main() runs: a Ctrl-C there is Python's
+    # traceback, so SQLAlchemy, Celery, pydantic and redis wait for main().
+    code = (
+        "import sys, agentruns.cli; "
+        "print([m for m in ('sqlalchemy', 'celery', 'pydantic', 'redis', 'anthropic') "
+        "if m in sys.modules])"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
+
+
+def test_ctrl_c_while_the_cli_starts_is_one_line() -> None:
+    # Ctrl-C as the command's modules load (here: as SQLAlchemy's is imported, as a
+    # person's SIGINT would land there) says one line and exits 130, no traceback.
+    code = """
+import sys
+
+class CtrlC:
+    def find_spec(self, name, path=None, target=None):
+        if name == "sqlalchemy":
+            raise KeyboardInterrupt
+        return None
+
+sys.meta_path.insert(0, CtrlC())
+from agentruns.cli import main
+sys.exit(main(["runs"]))
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 130, done.stderr
+    assert done.stderr == "agentruns: interrupted\n"
+
+
 def test_an_embedded_dispatch_whose_writes_lose_the_database_fails_in_one_line(
     db_url: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

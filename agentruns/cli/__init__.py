@@ -1,6 +1,8 @@
 """The ``agentruns`` command line (SPEC §8). ``main(argv)`` returns the exit code.
 
-Every failure is one line on stderr: exit 2 for bad input, 1 for the rest.
+Every failure is one line on stderr: exit 2 for bad input, 1 for the rest. This
+module imports little: the rest is imported once ``main`` runs, where a Ctrl-C
+during those imports (a second or so) is said in one line.
 """
 
 from __future__ import annotations
@@ -11,11 +13,6 @@ import logging
 import os
 import sys
 from collections.abc import Iterator, Sequence
-
-from agentruns.cli.errors import describe
-from agentruns.cli.render import plain
-from agentruns.cli.session import Session
-from agentruns.runs import is_utf8
 
 
 class _OneLine(logging.Formatter):
@@ -48,7 +45,16 @@ def _quiet_logging() -> Iterator[None]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:  # before a command began: while its modules were imported
+        print("agentruns: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
     from agentruns.cli.parser import build
+    from agentruns.runs import is_utf8
 
     words = sys.argv[1:] if argv is None else list(argv)
     # Bytes that are not UTF-8 reach Python as lone surrogates: no store can keep them.
@@ -65,6 +71,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
+    from agentruns.cli.errors import describe
+    from agentruns.cli.render import plain
+    from agentruns.cli.session import Session
+
     session = Session(as_json=args.json)
     try:
         code: int = args.handler(session, args)

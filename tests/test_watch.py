@@ -27,6 +27,7 @@ from agentruns import (
     tool,
 )
 from agentruns.broadcast import EventPublisher, channel, subscribe, summary
+from agentruns.cli import watch
 from agentruns.cli.session import Session
 from agentruns.cli.watch import _Follower, _runs, _wakeups
 from agentruns.models import ScriptedModel, text, tool_use
@@ -196,15 +197,15 @@ def test_a_look_whose_read_fails_leaves_its_runs_to_the_next_look(
         run = engine.dispatch("a", trigger({}))
         follower.poll([engine.get_run(run.id)], baseline=True)
         assert engine.execute(run.id).status is RunStatus.COMPLETED
-        steps = engine.steps
+        steps = engine.store.steps
 
-        def gone(run_id: str) -> Any:
+        def gone(run_id: str, start: int = 0) -> Any:
             raise sa.exc.OperationalError("SELECT", {}, Exception("connection gone"))
 
-        monkeypatch.setattr(engine, "steps", gone)
+        monkeypatch.setattr(engine.store, "steps", gone)
         with pytest.raises(sa.exc.OperationalError):
             follower.poll([engine.get_run(run.id)], baseline=False)
-        monkeypatch.setattr(engine, "steps", steps)
+        monkeypatch.setattr(engine.store, "steps", steps)
         follower.poll([engine.get_run(run.id)], baseline=False)
         assert follower.settled()
         lines = out.getvalue().splitlines()
@@ -475,6 +476,87 @@ def test_a_run_that_settles_outside_the_watched_window_is_shown_settled(
         assert follower.settled()
         follower.poll(_runs(engine, None), baseline=False)
         assert run.id not in follower.status  # forgotten once shown settled
+    finally:
+        engine.close()
+
+
+def test_a_change_an_event_names_is_shown_though_the_run_is_outside_the_window(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A look reads the newest 1,000 runs of each active status: cancelling the oldest
+    # of 2,000 waiting runs was never shown, though its event named the run.
+    monkeypatch.setattr(watch, "WINDOW", 2)
+    engine = _manual_engine(sqlite_url)
+    try:
+        out = io.StringIO()
+        follower = _Follower(Session(as_json=True, out=out), engine, history=False)
+        oldest, *newer = [engine.dispatch("a", trigger({}), schedule=False) for _ in range(3)]
+        _pushed_out(engine)
+        follower.poll(_runs(engine, None), baseline=True)
+        assert _shown(out, oldest.id) == []  # outside the window
+        assert [_shown(out, run.id) for run in newer] == [["queued"], ["queued"]]
+        published: list[dict[str, object]] = []
+        engine.on("run.updated", lambda event: published.append(summary(event)))
+        engine.cancel(oldest.id)
+        for event in published:
+            follower.heard(event)
+        follower.poll(_runs(engine, None), baseline=False)
+        assert _shown(out, oldest.id) == ["cancelled"]
+        follower.heard({"run_id": "another-deployments-run", "status": "completed"})
+        follower.poll(_runs(engine, None), baseline=False)  # not found: nothing to show
+        assert follower.named == {} and oldest.id not in follower.status
+    finally:
+        engine.close()
+
+
+def test_a_look_reads_only_the_steps_it_has_not_shown(
+    sqlite_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Each look read every step of a run whose new steps it showed: following a run
+    # of 2,200 steps cost 0.2 s a step, quadratic over the run. And the first look
+    # read each active run's steps to count them (the run's row has the count).
+    @tool(needs_approval=True)
+    def post(body: str) -> str:
+        """Post."""
+        return "posted"
+
+    @tool
+    def search() -> str:
+        """Search."""
+        return "found"
+
+    script = [tool_use("search", {}), tool_use("search", {}), tool_use("post", {"body": "hi"})]
+    model = ScriptedModel([*script, text("done")])
+    engine = _manual_engine(sqlite_url, Agent("a", model, tools=[search, post]))
+    try:
+        out = io.StringIO()
+        follower = _Follower(Session(as_json=True, out=out), engine, history=False)
+        run = engine.dispatch("a", trigger({}))
+        read: list[int] = []
+        step_from_row = sql.step_from_row
+
+        def reading(run_id: str, row: Any) -> Any:
+            read.append(row["idx"])
+            return step_from_row(run_id, row)
+
+        monkeypatch.setattr(sql, "step_from_row", reading)
+        follower.poll(_runs(engine, None), baseline=True)
+        assert read == []
+        assert engine.execute(run.id).status is RunStatus.WAITING
+        follower.poll(_runs(engine, None), baseline=False)
+        first, read[:] = read[:], []
+        waiting = len(engine.steps(run.id))
+        assert first == list(range(waiting))
+        read.clear()
+        engine.resume(engine.approval_token(run.id), approved=True)
+        assert engine.execute(run.id).status is RunStatus.COMPLETED
+        follower.poll(_runs(engine, None), baseline=False)
+        second = read[:]
+        total = len(engine.steps(run.id))
+        assert second == list(range(waiting, total))
+        said = _shown(out, run.id)
+        assert [i for i in said if isinstance(i, int)] == list(range(total))
+        assert [s for s in said if isinstance(s, str)] == ["queued", "waiting", "completed"]
     finally:
         engine.close()
 

@@ -28,6 +28,9 @@ from agentruns.runs import Run, RunStatus, Step, utcnow
 from agentruns.store.base import RunHead
 
 ACTIVE = [RunStatus.QUEUED, RunStatus.RUNNING, RunStatus.WAITING, RunStatus.INTERRUPTED]
+# The newest runs of each active status a look reads (besides the newest 100 runs): a
+# change of another run is read when an event names it.
+WINDOW = 1000
 # Runs a look reads again by id, at most: those the watcher holds unsettled that settled
 # outside its window (the rest wait for the next look).
 REREAD = 1000
@@ -42,9 +45,12 @@ class _Follower:
         self.history = history  # print the steps a run already had when first seen
         self.updated: dict[str, datetime] = {}
         self.status: dict[str, RunStatus] = {}
-        self.steps: dict[str, int] = {}
+        self.steps: dict[str, int] = {}  # how many of each run's steps are shown (or old)
         self.held: list[str] | None = None  # lines kept back while set
         self.started: dict[str, datetime] = {}  # runs an event said started, and when
+        # Runs events named since the last look, oldest first: read by id if the look
+        # lacks them (a run outside its window: one of over WINDOW waiting, say).
+        self.named: dict[str, None] = {}
         # The step counts of runs forgotten settled, oldest first (see _old_steps).
         self.forgotten: OrderedDict[str, int] = OrderedDict()
         self.began = utcnow()
@@ -57,36 +63,73 @@ class _Follower:
 
     def poll(self, looked: Sequence[Run | RunHead], baseline: bool) -> None:
         """Show what changed in the runs of a look. A run is read in full only when its
-        status line is shown: its wait point, say, may hold a tool's large input."""
+        status line is shown (its wait point, say, may hold a tool's large input), all
+        such runs in one read; of its steps, only those not shown yet are read."""
         if not baseline:
             looked = [*looked, *self._left(looked)]
-        for head in sorted(looked, key=lambda r: r.created_at):
-            if self.updated.get(head.id) == head.updated_at:
-                continue
-            new = head.id not in self.status
+        changed = [
+            head
+            for head in sorted(looked, key=lambda r: r.created_at)
+            if self.updated.get(head.id) != head.updated_at
+        ]
+        wanted = [h.id for h in changed if not isinstance(h, Run) and self._shows(h, baseline)]
+        full = {run.id: run for run in self._get_runs(wanted)}
+        for head in changed:
             if baseline and head.status.is_final and not self.history:
                 self.updated[head.id] = head.updated_at
                 self.status[head.id] = head.status
                 continue
-            if new or self.status[head.id] != head.status or head.id in self.started:
-                try:
-                    run = head if isinstance(head, Run) else self.engine.get_run(head.id)
-                except RunNotFoundError:
-                    continue  # deleted by hand since the look
-                self._show(run, new, baseline)
-            else:  # the status shown still holds: only its new steps, if any
-                steps = self.engine.steps(head.id)  # read first: see _show
-                self.updated[head.id] = head.updated_at
-                self._show_steps(head.id, steps)
+            try:
+                if self._shows(head, baseline):
+                    run = head if isinstance(head, Run) else full.get(head.id)
+                    if run is None:
+                        continue  # deleted by hand since the look
+                    self._show(run, head, baseline)
+                else:  # the status shown still holds: only its new steps, if any
+                    steps = self._unshown(head.id)  # read first: see _show
+                    self.updated[head.id] = head.updated_at
+                    self._show_steps(head.id, steps)
+            except RunNotFoundError:
+                continue  # deleted by hand since the look
         self._forget(looked)
 
-    def _show(self, run: Run, new: bool, baseline: bool) -> None:
+    def _shows(self, head: Run | RunHead, baseline: bool) -> bool:
+        """Whether the look shows the run's status line (so reads it in full)."""
+        if baseline and head.status.is_final and not self.history:
+            return False
+        return (
+            head.id not in self.status
+            or self.status[head.id] != head.status
+            or head.id in self.started
+        )
+
+    def _get_runs(self, run_ids: list[str]) -> list[Run]:
+        """The runs, in reads of a few hundred each (SQLite takes that many values)."""
+        return [
+            run
+            for at in range(0, len(run_ids), 500)
+            for run in self.engine.store.get_runs(run_ids[at : at + 500])
+        ]
+
+    def _unshown(self, run_id: str) -> list[Step]:
+        return self.engine.store.steps(run_id, self.steps.get(run_id, 0))
+
+    def _show(self, run: Run, head: Run | RunHead, baseline: bool) -> None:
         # Read before anything is noted: a read that fails (the database went away)
         # leaves the run to be shown by the next look, not taken as shown.
-        steps = self.engine.steps(run.id)
+        old: int | None = None  # of a run first seen, the steps not to show
+        if run.id in self.steps or self.history:
+            steps = self._unshown(run.id)
+        elif baseline:  # (one settled when first seen too): its steps came before
+            old = head.step_count if isinstance(head, RunHead) else len(self.engine.steps(run.id))
+            steps = []
+        else:
+            old, steps = self._old_steps(run.id)
         self.updated[run.id] = run.updated_at
-        if run.id not in self.steps and not self.history:  # (one settled when first seen too)
-            self.steps[run.id] = len(steps) if baseline else self._old_steps(run.id, steps)
+        if old is not None:
+            self.steps[run.id] = old
+            self.forgotten.pop(run.id, None)
+        new = run.id not in self.status
         changed = new or self.status[run.id] != run.status
         started = self.started.pop(run.id, None)
         # An execution's steps come after it starts running and before it settles.
@@ -101,35 +144,45 @@ class _Follower:
         self.status[run.id] = run.status
 
     def _show_steps(self, run_id: str, steps: list[Step]) -> None:
-        for step in steps[self.steps.get(run_id, 0) :]:
-            self._step(step)
-        self.steps[run_id] = len(steps)
+        shown = self.steps.get(run_id, 0)
+        for step in steps:
+            if step.index >= shown:
+                self._step(step)
+                shown = step.index + 1
+        self.steps[run_id] = shown
 
     def _left(self, looked: Sequence[Run | RunHead]) -> list[Run]:
-        """The runs held unsettled that a look lacks, read again by id: a look holds
-        only the newest runs and the active ones, so a run that settled once newer
-        runs had pushed it out of the window is shown settled only by this read (and
-        ``--until-final`` waited for it for ever). A run this read lacks was deleted."""
+        """The runs held unsettled that a look lacks, and those events named, read again
+        by id: a look holds only the newest runs and the active ones, so a run that
+        settled once newer runs had pushed it out of the window is shown settled only by
+        this read (and ``--until-final`` waited for it for ever), and a change of a run
+        outside the window (cancelling the oldest of 2,000 waiting) only if an event
+        named it. A held run this read lacks was deleted; a named one is another
+        deployment's."""
         shown = {run.id for run in looked}
         held = [r for r, status in self.status.items() if not status.is_final]
         lost = [r for r in held if r not in shown][:REREAD]
-        again = self.engine.store.get_runs(lost)
+        lost_set = set(lost)
+        named = [r for r in self.named if r not in shown and r not in lost_set]
+        self.named.clear()
+        again = self._get_runs([*lost, *named[: max(0, REREAD - len(lost))]])
         found = {run.id for run in again}
         for run_id in lost:
             if run_id not in found:
                 self._drop(run_id)
         return again
 
-    def _old_steps(self, run_id: str, steps: list[Step]) -> int:
-        """How many of the steps of a run first seen after the baseline are not new: a
-        run forgotten settled and back (retried) shows only the steps after those it
-        had; one that settled before the watch began, only those after it began."""
-        count = self.forgotten.pop(run_id, None)
+    def _old_steps(self, run_id: str) -> tuple[int, list[Step]]:
+        """How many of the steps of a run first seen after the baseline are not new, and
+        those after them: a run forgotten settled and back (retried) shows only the
+        steps after those it had; one that settled before the watch began, only those
+        after it began."""
+        count = self.forgotten.get(run_id)
         if count is not None:
-            return count
-        return next(
-            (i for i, step in enumerate(steps) if step.finished_at > self.began), len(steps)
-        )
+            return count, self.engine.store.steps(run_id, count)
+        steps = self.engine.steps(run_id)
+        old = next((i for i, step in enumerate(steps) if step.finished_at > self.began), len(steps))
+        return old, steps[old:]
 
     def _forget(self, runs: Sequence[Run | RunHead]) -> None:
         """Keep only what a later look can need (a watcher may run for months): a run
@@ -158,7 +211,13 @@ class _Follower:
         the store has shown a later state of the run already (events can come late:
         the engine publishes one after each step, and a look may be ahead of them)."""
         run_id = event.get("run_id")
-        if event.get("status") != RunStatus.RUNNING.value or not isinstance(run_id, str):
+        if not isinstance(run_id, str):
+            return
+        self.named.pop(run_id, None)  # (newest last)
+        self.named[run_id] = None
+        if len(self.named) > REREAD:
+            del self.named[next(iter(self.named))]
+        if event.get("status") != RunStatus.RUNNING.value:
             return
         at = _when(event.get("updated_at"))
         shown = self.updated.get(run_id)
@@ -216,7 +275,7 @@ def _runs(engine: Engine, run_id: str | None) -> list[Run | RunHead]:
         return [engine.get_run(run_id)]
     found: dict[str, Run | RunHead] = {r.id: r for r in engine.store.run_heads(limit=100)}
     for status in ACTIVE:
-        found.update((r.id, r) for r in engine.store.run_heads(status, limit=1000))
+        found.update((r.id, r) for r in engine.store.run_heads(status, limit=WINDOW))
     return list(found.values())
 
 

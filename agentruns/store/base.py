@@ -190,13 +190,14 @@ class WaitRef:
 
 @dataclass(frozen=True)
 class RunHead:
-    """Which run, its status, and when it was created and last changed: what a watcher
-    compares between looks, before it reads a run in full."""
+    """Which run, its status, when it was created and last changed, and how many step
+    rows it has: what a watcher compares between looks, before it reads a run in full."""
 
     id: str
     status: RunStatus
     created_at: datetime
     updated_at: datetime
+    step_count: int
 
 
 class Writes(Protocol):
@@ -239,7 +240,7 @@ class Store(Protocol):
         self, status: RunStatus | None = None, agent: str | None = None, limit: int = 100
     ) -> list[Run]: ...
     def run_heads(self, status: RunStatus | None = None, limit: int = 100) -> list[RunHead]: ...
-    def steps(self, run_id: str) -> list[Step]: ...
+    def steps(self, run_id: str, start: int = 0) -> list[Step]: ...
     def checkpoint(self, run_id: str) -> Checkpoint | None: ...
     def transcript(self, run_id: str) -> Transcript: ...
     def pending(self, run_id: str) -> dict[str, Any] | None: ...

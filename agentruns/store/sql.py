@@ -269,8 +269,9 @@ class SqlStore:
             return _readable(conn.execute(_newest(sa.select(R), status, agent, limit)).mappings())
 
     def run_heads(self, status: RunStatus | None = None, limit: int = 100) -> list[RunHead]:
-        """As ``list_runs``, only the id, status and times of each run (a watcher's look)."""
-        columns = sa.select(R.c.id, R.c.status, R.c.created_at, R.c.updated_at)
+        """As ``list_runs``, only the id, status, times and step count of each run (a
+        watcher's look)."""
+        columns = sa.select(R.c.id, R.c.status, R.c.created_at, R.c.updated_at, R.c.step_count)
         heads = []
         with self._reads.connect() as conn:
             for row in conn.execute(_newest(columns, status, None, limit)):
@@ -280,13 +281,18 @@ class SqlStore:
                     continue  # damaged by hand: list_runs skips it too, saying so
                 created = aware(row.created_at) or utcnow()  # (never None: NOT NULL)
                 updated = aware(row.updated_at) or utcnow()
-                heads.append(RunHead(row.id, run_status, created, updated))
+                heads.append(RunHead(row.id, run_status, created, updated, row.step_count))
         return heads
 
-    def steps(self, run_id: str) -> list[Step]:
+    def steps(self, run_id: str, start: int = 0) -> list[Step]:
+        """The run's steps from index ``start`` on (a watcher reads only those it has
+        not shown: a long run's whole list on every step made following it quadratic)."""
         with self._reads.connect() as conn:
             key = self._require(conn, run_id)["key"]
-            rows = conn.execute(sa.select(S).where(S.c.run_key == key).order_by(S.c.idx))
+            query = sa.select(S).where(S.c.run_key == key)
+            if start:
+                query = query.where(S.c.idx >= start)
+            rows = conn.execute(query.order_by(S.c.idx))
             return [step_from_row(run_id, r) for r in rows.mappings()]
 
     def _require(self, conn: Connection, run_id: str) -> RowMapping:

@@ -77,7 +77,8 @@ class Announcer:
     def close(self, timeout: float) -> None:
         """Take no more, and make what is asked for, ``timeout`` seconds at most; then
         drop what is left in line and leave what is under way (``tick`` asks for it
-        again, on any engine, since it is not marked announced)."""
+        again, on any engine, since it is not marked announced). What is left is
+        logged, unless ``timeout`` is 0: such a caller waited already, and said so."""
         deadline = time.monotonic() + timeout
         with self._lock:
             self._closed = True
@@ -85,7 +86,7 @@ class Announcer:
                 max(0.0, deadline - time.monotonic())
             ):
                 pass
-            if self._due or self._taken:
+            if (self._due or self._taken) and timeout > 0:
                 log.warning(
                     "%d notifier call(s) left at close (%d under way): a tick calls them again",
                     len(self._due) + len(self._taken),

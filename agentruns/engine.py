@@ -69,6 +69,11 @@ log = logging.getLogger("agentruns")
 _SLOT_WAIT_S = 0.2
 
 
+# How long close() waits for notifier calls under way (a tick of any engine calls
+# again those it leaves: their wait points are not marked announced).
+NOTIFIERS_AT_CLOSE_S = 10.0
+
+
 class Engine:
     """See SPEC §4. An engine never calls ``tick()`` or ``recover()`` by itself."""
 
@@ -673,8 +678,9 @@ class Engine:
                 self._slots.release()
             self._drain_lock.release()
 
-    def idle(self, timeout: float | None = None) -> bool:
-        """True once nothing runs here, nothing more can start, and events were delivered."""
+    def idle(self, timeout: float | None = None, *, notifiers: bool = True) -> bool:
+        """True once nothing runs here, nothing more can start, and events were delivered
+        (and the notifier calls asked for returned, unless not ``notifiers``)."""
         self._not_inside_a_call("idle()")
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
@@ -683,14 +689,17 @@ class Engine:
                 and not self._keeper.busy()
                 and self.scheduler.outstanding() == 0
                 and not self.events.busy()
-                and not self._approvals.busy()
+                and not (notifiers and self._approvals.busy())
             ):
                 return True
             if deadline is not None and time.monotonic() >= deadline:
                 return False
             time.sleep(0.005)
 
-    def close(self) -> None:
+    def close(self, *, notifiers_timeout: float = NOTIFIERS_AT_CLOSE_S) -> None:
+        """Drain, then release the pools and threads; the notifier calls asked for are
+        given ``notifiers_timeout`` seconds to return, and a call left under way then is
+        made again by a later ``tick`` (the run is not marked notified)."""
         self._not_inside_a_call("close()")
         if self._closed:
             return
@@ -700,7 +709,7 @@ class Engine:
         # are not closed under it, nor under the notifier calls it asked for.
         while self._calls:
             time.sleep(0.005)
-        self._approvals.close(_NOTIFIERS_AT_CLOSE_S)
+        self._approvals.close(notifiers_timeout)
         self._keeper.stop()
         self._unsubscribe_aborts()
         for closer in self._closers:
@@ -826,8 +835,3 @@ def _limits(budget: Budget | None) -> str:
     if budget is None:
         return "its agent's"
     return json.dumps(budget.model_dump(mode="json"))
-
-
-# How long close() waits for notifier calls under way (a tick of any engine calls
-# again those it leaves: their wait points are not marked announced).
-_NOTIFIERS_AT_CLOSE_S = 10.0

@@ -38,6 +38,7 @@ from agentruns import (
     tool,
 )
 from agentruns.cli import main, render
+from agentruns.cli import session as session_module
 from agentruns.cli.errors import database_failure
 from agentruns.migrate import migrate
 from agentruns.models import ScriptedModel, text, tool_use
@@ -48,6 +49,7 @@ from agentruns.schedulers import ManualScheduler
 from agentruns.settings import Settings
 from agentruns.store.base import Commit, Guard
 from tests.conftest import REDIS_URL, wait_for
+from tests.support import agents as support_agents
 from tests.support.proxy import Proxy
 from workers import triage
 
@@ -516,6 +518,33 @@ def test_tick_says_when_a_notifier_fails(cli: Cli, monkeypatch: pytest.MonkeyPat
     code, out, _ = cli("tick")
     assert code == 0
     assert f"1 failed, the next tick tries again: {failed}" in out
+
+
+def test_a_notifier_that_hangs_does_not_hang_the_command(
+    cli: Cli, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # A webhook without a timeout held `agentruns dispatch` (embedded) and `tick` for
+    # ever: from cron, the ticks piled up. Its call is left under way, the run not
+    # marked notified, and the command ends after NOTIFIERS_WAIT_S, saying so.
+    monkeypatch.setattr(session_module, "NOTIFIERS_WAIT_S", 0.5)
+    monkeypatch.setenv("AGENTRUNS_AGENTS", "tests.support.agents")
+    monkeypatch.setenv("AGENTRUNS_TEST_HANG", "notifier")
+    monkeypatch.setenv("AGENTRUNS_TEST_LOG", str(tmp_path / "log"))
+    left = "agentruns: WARNING: a notifier call has not returned after 0.5s: left under way"
+    try:
+        code, out, err = cli("--json", "dispatch", "hung_pager", "--payload", "{}")
+        assert code == 0, err
+        run = json.loads(out)["run"]
+        assert run["status"] == "waiting"
+        assert err.startswith(left) and len(err.splitlines()) == 1, err
+        code, out, err = cli("--json", "tick")
+        assert code == 0, err
+        assert json.loads(out)["notified"] == []
+        assert err.startswith(left) and len(err.splitlines()) == 1, err
+        calls = (tmp_path / "log").read_text().splitlines()
+        assert calls == [f"hanging notifier of {run['id']}"] * 2
+    finally:
+        support_agents.notifier_released.set()
 
 
 def test_tick_denies_an_expired_approval_and_the_run_goes_on(cli: Cli) -> None:

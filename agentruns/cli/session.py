@@ -24,6 +24,9 @@ from agentruns.wiring import engine_from_settings, load_agents
 
 log = logging.getLogger("agentruns")
 
+# How long a command waits for the notifier calls of the runs it started or ticked.
+NOTIFIERS_WAIT_S = 10.0
+
 
 class Session:
     def __init__(self, as_json: bool, out: TextIO | None = None) -> None:
@@ -35,6 +38,7 @@ class Session:
         self._said: list[Exception] = []  # of those reported: warned of
         self.shown: dict[str, str] = {}  # run id -> the status last printed by follow()
         self._print_lock = threading.Lock()
+        self._notifiers_left = False  # a notifier call outlived NOTIFIERS_WAIT_S (see _wait)
 
     # -- output ---------------------------------------------------------------
 
@@ -157,13 +161,32 @@ class Session:
         pause; one the database or Redis stopped is this command's failure, and a
         notifier that failed is warned of (unless the command says so itself)."""
         if self._engine is not None:
-            self._engine.idle()
+            self._wait(self._engine)
         self.raise_reported()
         for exc in self.reported if warn_notifiers else ():
             if isinstance(exc, NotifierError) and exc not in self._said:
                 # Else silent: the run waits, nobody told, and the command says nothing.
                 self._said.append(exc)
                 log.warning("%s (`agentruns tick` calls it again)", first_line(exc, typed=False))
+
+    def _wait(self, engine: Engine) -> None:
+        """Until the executions this process started finished or paused, and the
+        notifier calls they (or tick) asked for returned: those NOTIFIERS_WAIT_S at
+        most. A notifier that hangs (a webhook with no timeout) hung the command for
+        ever, and `agentruns tick` from cron piled up; its call is left under way, and
+        its run is not marked notified, so the next tick calls it again."""
+        while True:
+            engine.idle(notifiers=False)
+            if engine.idle(NOTIFIERS_WAIT_S):
+                return
+            if engine.idle(0, notifiers=False):
+                break  # only notifier calls are left (else one started a run: wait for it)
+        self._notifiers_left = True
+        log.warning(
+            "a notifier call has not returned after %gs: left under way, its run not marked"
+            " notified (`agentruns tick` calls it again); give your webhook calls a timeout",
+            NOTIFIERS_WAIT_S,
+        )
 
     def raise_reported(self) -> None:
         """An infrastructure failure an engine swallowed and reported is this command's failure."""
@@ -174,4 +197,7 @@ class Session:
     def close(self) -> None:
         if self._engine is not None:
             engine, self._engine = self._engine, None
-            engine.close()
+            if self._notifiers_left:  # waited for, and said
+                engine.close(notifiers_timeout=0)
+            else:
+                engine.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -157,6 +158,26 @@ pager_agent = Agent(
     ScriptedModel([tool_use("publish", {"text": "hi"}), text("Published.")]),
     tools=[publish],
     notifier=_pager_down,
+)
+
+
+# What a notifier that hangs (AGENTRUNS_TEST_HANG=notifier) waits for: a test sets it
+# as it ends, so the call it left under way returns.
+notifier_released = threading.Event()
+
+
+def _pager_hangs(run: Any, wait: Any, token: str) -> None:
+    if os.environ.get("AGENTRUNS_TEST_HANG") == "notifier":
+        log(f"hanging notifier of {run.id}")
+        notifier_released.wait(600)
+
+
+# Its notifier hangs where AGENTRUNS_TEST_HANG=notifier: a webhook without a timeout.
+hung_pager_agent = Agent(
+    "hung_pager",
+    ScriptedModel([tool_use("publish", {"text": "hi"}), text("Published.")]),
+    tools=[publish],
+    notifier=_pager_hangs,
 )
 
 

@@ -125,7 +125,10 @@ class InvalidTokenError(AgentrunsError):
 
     def __init__(self, reason: TokenProblem, message: str | None = None) -> None:
         self.reason: TokenProblem = reason
-        super().__init__(message or f"invalid resume token: {reason}")
+        self.detail = message  # what the reason stands for here, if said
+        # The reason is always said: a worker's log is searched for it.
+        said = f"invalid resume token ({reason}): {message}" if message else None
+        super().__init__(said or f"invalid resume token: {reason}")
 
 
 class UnknownAgentError(AgentrunsError):

@@ -61,7 +61,11 @@ def _sign(secret: str, body: str) -> str:
 
 
 def verify(secret: str, token: str, now: datetime | None = None) -> TokenClaims:
-    """Check shape, signature and expiry; raises ``InvalidTokenError`` with the reason."""
+    """Check shape, signature and expiry; raises ``InvalidTokenError`` with the reason.
+    Spaces and line ends around it are no part of it (a token pasted by a bot or read
+    from a file brings them; one failed as ``bad_signature``, said to be altered)."""
+    if isinstance(token, str):
+        token = token.strip(" \t\r\n")
     if not isinstance(token, str) or token.count(".") != 1:
         raise InvalidTokenError("malformed")
     body, signature = token.split(".")

@@ -187,6 +187,26 @@ def test_bad_tokens_are_refused_with_their_reason_and_change_nothing(
     with pytest.raises(InvalidTokenError) as err:
         engine.resume(token, approved=True)  # reused
     assert err.value.reason == "stale"
+    # Its message says the reason too: a worker's log is searched for it.
+    assert str(err.value) == "invalid resume token (stale): the run is not waiting on this token"
+
+
+def test_a_token_with_spaces_or_a_line_end_around_it_is_the_token(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    # A bot that pasted the token with its newline was told the token was altered or
+    # minted with another secret (bad_signature).
+    agent, _ = comment_agent(calls)
+    engine = make_engine([agent])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    token = engine.approval_token(run.id)
+    assert engine.resume(f"  {token}\r\n", approved=True).status is RunStatus.QUEUED
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    assert calls.names() == ["post_comment"]
+    with pytest.raises(InvalidTokenError) as err:
+        engine.resume(f"{token[:10]} {token[10:]}", approved=True)  # inside: no token
+    assert err.value.reason == "malformed"
 
 
 def test_expired_token_is_refused_and_tick_denies_the_expired_wait(

@@ -46,8 +46,7 @@ def describe(exc: BaseException, database_url: str, redis_url: str | None) -> tu
     if isinstance(exc, CliError):
         return exc.code, str(exc)
     if isinstance(exc, InvalidTokenError):
-        default = f"invalid resume token: {exc.reason}"
-        detail = str(exc) if str(exc) != default else TOKEN_PROBLEMS[exc.reason]
+        detail = exc.detail or TOKEN_PROBLEMS[exc.reason]
         return BAD_INPUT, f"invalid resume token ({exc.reason}): {detail}"
     if isinstance(exc, RunNotFoundError):
         return BAD_INPUT, f"no run with id {exc.run_id!r} (see `agentruns runs`)"

@@ -23,6 +23,7 @@ from agentruns.agent import Agent
 from agentruns.approvals import Approvals
 from agentruns.errors import (
     LeaseLostError,
+    NotifierError,
     NotRetryableError,
     exception_text,
     first_line,
@@ -72,6 +73,8 @@ _SLOT_WAIT_S = 0.2
 # How long close() waits for notifier calls under way (a tick of any engine calls
 # again those it leaves: their wait points are not marked announced).
 NOTIFIERS_AT_CLOSE_S = 10.0
+# Runs whose notifier failure was logged with its traceback, kept (see report).
+_NOTIFIER_FAILURES_KEPT = 10_000
 
 
 class Engine:
@@ -109,6 +112,8 @@ class Engine:
         self.lease_ttl = lease_ttl
         self.requeue_after = requeue_after
         self._on_error = on_error
+        self._notifier_failures: dict[str, None] = {}  # see _first_failure
+        self._notifier_failures_lock = threading.Lock()
         self._agents: dict[str, Agent] = {}
         for agent in agents:
             self.register(agent)
@@ -537,6 +542,10 @@ class Engine:
                 # An outage the README says what becomes of: one line, not a traceback
                 # for each of a worker's runs.
                 log.warning("agentruns: %s", first_line(exc))
+            elif isinstance(exc, NotifierError) and not self._first_failure(exc.run_id):
+                # tick calls it again every 5 s: its traceback once, then a line a call
+                # (17,000 tracebacks a day for one waiting run).
+                log.error("agentruns: %s (again)", first_line(exc, typed=False))
             else:
                 log.error("agentruns error", exc_info=exc)
             return
@@ -544,6 +553,17 @@ class Engine:
             self._on_error(exc)
         except Exception:
             log.exception("on_error raised")
+
+    def _first_failure(self, run_id: str) -> bool:
+        """Whether this is the first notifier failure of the run logged here (of the
+        newest few thousand runs whose notifiers failed)."""
+        with self._notifier_failures_lock:
+            if run_id in self._notifier_failures:
+                return False
+            self._notifier_failures[run_id] = None
+            if len(self._notifier_failures) > _NOTIFIER_FAILURES_KEPT:
+                del self._notifier_failures[next(iter(self._notifier_failures))]
+            return True
 
     @staticmethod
     def is_infrastructure_error(exc: Exception) -> bool:

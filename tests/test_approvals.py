@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import json
+import logging
 import threading
 import time
 from datetime import timedelta
@@ -666,6 +667,35 @@ def test_a_notifier_failing_twice_is_retried_by_tick_and_succeeds_exactly_once(
     engine.resume(delivered[0][2], approved=True)
     assert engine.idle(10)
     assert engine.get_run(run.id).status is RunStatus.COMPLETED
+
+
+def test_a_notifier_that_keeps_failing_logs_its_traceback_once_per_run(
+    make_engine: EngineFactory, calls: Calls, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Without on_error, each failure was an ERROR with its traceback, and beat's tick
+    # calls the notifier again every 5 s: 17,000 tracebacks a day for one run.
+    def notifier(run: Run, wait: WaitPoint, token: str) -> None:
+        raise ConnectionError("chat is down")
+
+    agent, _ = comment_agent(calls, notifier=notifier)
+    engine = make_engine([agent], on_error=None)
+    with caplog.at_level(logging.ERROR, logger="agentruns"):
+        runs = [engine.dispatch("triage", trigger({})).id for _ in range(2)]
+        for run_id in runs:
+            wait_until_waiting(engine, run_id)
+        for _ in range(3):
+            engine.tick()
+    for run_id in runs:
+        of_run = [
+            r
+            for r in caplog.records
+            if run_id in r.getMessage() or (r.exc_info and run_id in str(r.exc_info[1]))
+        ]
+        assert len(of_run) == 4  # the pause's call and three ticks'
+        assert [r.exc_info is not None for r in of_run] == [True, False, False, False]
+        assert of_run[1].getMessage() == (
+            f"agentruns: the notifier of run {run_id} failed: ConnectionError: chat is down (again)"
+        )
 
 
 @pytest.mark.parametrize("notified", [True, False])

@@ -56,6 +56,14 @@ def _queues(queue: str) -> dict[str, Any]:
     }
 
 
+# RabbitMQ's default consumer_timeout, in seconds.
+_AMQP_CONSUMER_TIMEOUT = 1800
+
+
+def _is_amqp(url: str) -> bool:
+    return url.split("://", 1)[0].lower() in {"amqp", "amqps", "pyamqp", "librabbitmq"}
+
+
 def _queue(name: str) -> Any:
     """A queue as Celery declares its default one: a direct exchange and routing key
     of the queue's own name."""
@@ -99,9 +107,14 @@ def defaults() -> dict[str, Any]:
     # whose runs are short can lower both in celeryconfig.py. Workers look for
     # such messages every 10 s.
     visibility_timeout = 3600
+    broker_url = s.effective_broker_url or "redis://localhost:6379/0"
+    # RabbitMQ closes the channel of a delivery unacked for its consumer_timeout (30
+    # min by default), and the worker ends ("Unrecoverable error: PreconditionFailed"),
+    # every message it held given back: the limit sits below that there.
+    unacked_for_at_most = _AMQP_CONSUMER_TIMEOUT if _is_amqp(broker_url) else visibility_timeout
     return {
         # The broker is the Redis that holds the leases unless AGENTRUNS_BROKER_URL says otherwise.
-        "broker_url": s.effective_broker_url or "redis://localhost:6379/0",
+        "broker_url": broker_url,
         # A worker that starts before Redis keeps trying instead of exiting.
         "broker_connection_retry_on_startup": True,
         "broker_transport_options": {
@@ -113,7 +126,7 @@ def defaults() -> dict[str, Any]:
         # enforce limits): just before it, the execution settles its run interrupted
         # (tasks.py's soft limit), and ``recover`` resumes it. No soft limit of the
         # worker's: ``Budget.timeout_s`` bounds a run, and settles it cleanly.
-        "task_time_limit": visibility_timeout - 600,
+        "task_time_limit": unacked_for_at_most - 600,
         # Ack after the task returns, and give a message back if the worker process
         # dies mid-task: a crash becomes a redelivery (a nudge), never a lost run.
         "task_acks_late": True,

@@ -955,6 +955,29 @@ def test_a_workers_time_limit_interrupts_a_run_that_recover_resumes(
             print(f"----- {proc.name} (pid {proc.pid}) -----\n{proc.output()[-6000:]}")
 
 
+@pytest.mark.parametrize(
+    ("broker", "limit"),
+    [
+        ("redis://127.0.0.1:6379/0", 3000),
+        ("amqp://guest@127.0.0.1//", 1200),
+        ("pyamqp://h//", 1200),
+    ],
+)
+def test_the_time_limit_sits_below_how_long_the_broker_lets_a_message_go_unacked(
+    monkeypatch: pytest.MonkeyPatch, broker: str, limit: int
+) -> None:
+    # RabbitMQ closes the channel of a delivery unacked for 30 minutes (its default
+    # consumer_timeout), and the worker ends: the limit was Redis' (50 minutes).
+    from agentruns.celery import defaults
+
+    monkeypatch.setenv("AGENTRUNS_BROKER_URL", broker)
+    get_settings.cache_clear()
+    try:
+        assert defaults()["task_time_limit"] == limit
+    finally:
+        get_settings.cache_clear()
+
+
 def test_celeryconfig_starts_from_the_at_least_once_defaults() -> None:
     """celeryconfig.py (a deployment's override point) carries agentruns' own settings."""
     from agentruns.celery import defaults

@@ -5,12 +5,13 @@ cannot claim does nothing; a redelivered ``dispatch`` finds the run it
 already stored. Bad input (an unknown agent or run, a bad trigger or token)
 fails the task once, with the error as its result and no traceback.
 
-A database or Redis outage, or a database not migrated yet (workers deployed
-before ``agentruns migrate``), is retried with backoff for as long as it lasts:
-a ``dispatch``, ``resume`` or ``cancel`` message is the only record of what its
-producer asked, and acking it unanswered would lose that. (``execute``, ``tick``
-and ``recover`` need no retry: the runs are stored, and beat's ``recover``
-schedules them again.)
+A database or Redis outage is retried with backoff for as long as it lasts: a
+``dispatch``, ``resume``, ``cancel`` or ``retry`` message is the only record of
+what its producer asked, and acking it unanswered would lose that. (``execute``,
+``tick`` and ``recover`` need no retry: the runs are stored, and beat's
+``recover`` schedules them again.) A worker that cannot build its engine (a
+database not migrated yet, wrong settings or agent modules) gives every message
+back to the queue, for a worker that can.
 """
 
 from __future__ import annotations
@@ -35,7 +36,11 @@ from agentruns.engine import Engine
 from agentruns.errors import AgentrunsError, NotMigratedError, first_line
 from agentruns.outages import OUTAGE
 from agentruns.runs import Run, RunStatus
-from agentruns.worker import get_engine, shutting_down  # and a worker's signal handlers
+from agentruns.worker import (  # and a worker's signal handlers
+    get_engine,
+    say_once_why_there_is_no_engine,
+    shutting_down,
+)
 
 log = logging.getLogger("agentruns")
 
@@ -300,18 +305,50 @@ def _retrying_outages(task: Any) -> Iterator[None]:
 
 
 def _engine_or_give_back(task: Any) -> Engine:
-    """This worker's engine. One that cannot be built for the database's schema (a
-    worker deployed before ``agentruns migrate``) gives the message back, after a
+    """This worker's engine. One that cannot be built gives the message back, after a
     pause (so a worker alone does not spin on it), for a worker that can take it:
-    acked here, a nudge or a sweep meant for the others was lost. (One that cannot be
-    built because the database is away raises that outage, as a built one's calls do.)"""
+    acked here, a nudge or a sweep meant for the others was lost, and a dispatch,
+    resume, cancel or retry was the only record of what its producer asked. That is
+    a worker deployed before ``agentruns migrate``, or one whose settings or agent
+    modules are wrong (a module that fails to import, an agent named twice, no
+    ``AGENTRUNS_SECRET``): beside a good worker, it took and failed nine in ten
+    dispatches. (One that cannot be built because the database or Redis is away
+    raises that outage, as a built one's calls do; run eagerly, in its caller, the
+    error is the caller's.)"""
     try:
         return get_engine(task.app)
-    except NotMigratedError as exc:
+    except Exception as exc:
+        if task.request.is_eager or Engine.is_infrastructure_error(exc):
+            raise
+        if isinstance(exc, NotMigratedError):
+            why = f"this worker cannot work on this database yet: {exc}"
+        else:
+            say_once_why_there_is_no_engine(exc)
+            why = f"this worker cannot build its engine ({first_line(exc)}); mend and restart it"
         time.sleep(_GIVE_BACK_PAUSE_S)
         # (Not chained: Celery logs a rejection with its traceback, and the whole chain
-        # of a refused schema, every second, for every message given back.)
-        raise Reject(f"this worker cannot work on this database yet: {exc}", requeue=True) from None
+        # of a refused schema or a failed import, every second, for every message.)
+        raise Reject(why, requeue=True) from None
+
+
+class _RejectionInOneLine(logging.Filter):
+    """Celery logs every rejected message with a traceback, which for an agentruns
+    task says nothing its one line does not (a message given back, why): a worker
+    that cannot build its engine gave back messages every second, at 14 lines each."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        data = getattr(record, "data", None)
+        if (
+            isinstance(data, dict)
+            and data.get("description") == "rejected"
+            and str(data.get("name", "")).startswith("agentruns.")
+        ):
+            record.exc_info = None
+            record.exc_text = None
+        return True
+
+
+logging.getLogger("celery.app.trace").addFilter(_RejectionInOneLine())
 
 
 def _summary(run: Run) -> dict[str, Any]:
@@ -345,7 +382,7 @@ def dispatch(
     ):
         idempotency_key = f"task:{self.request.id}"
     with _retrying_outages(self):
-        engine = get_engine(self.app)
+        engine = _engine_or_give_back(self)
         kwargs: dict[str, Any] = {
             "idempotency_key": idempotency_key,
             "concurrency_key": concurrency_key,
@@ -397,7 +434,7 @@ def execute(self: Any, run_id: str) -> dict[str, Any]:
 def resume(self: Any, token: str, approved: bool, reason: str | None = None) -> dict[str, Any]:
     """Answer the approval a resume token stands for; the run is queued again."""
     with _retrying_outages(self):
-        run = get_engine(self.app).resume(token, approved=approved, reason=reason)
+        run = _engine_or_give_back(self).resume(token, approved=approved, reason=reason)
     return _summary(run)
 
 
@@ -405,7 +442,7 @@ def resume(self: Any, token: str, approved: bool, reason: str | None = None) -> 
 def cancel(self: Any, run_id: str) -> dict[str, Any]:
     """Cancel the run (a running one is aborted by whichever worker owns it)."""
     with _retrying_outages(self):
-        run = get_engine(self.app).cancel(run_id)
+        run = _engine_or_give_back(self).cancel(run_id)
     return _summary(run)
 
 
@@ -414,7 +451,7 @@ def retry(self: Any, run_id: str, budget: dict[str, Any] | None = None) -> dict[
     """Queue a failed run again, to go on from its latest checkpoint, ``budget``'s limits
     replacing its own (``Engine.retry``)."""
     with _retrying_outages(self):
-        run = get_engine(self.app).retry(run_id, budget=budget)
+        run = _engine_or_give_back(self).retry(run_id, budget=budget)
     return _summary(run)
 
 

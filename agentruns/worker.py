@@ -61,6 +61,21 @@ def shutting_down() -> bool:
     return _shutting_down.is_set()
 
 
+_told_why = threading.Event()
+
+
+def say_once_why_there_is_no_engine(exc: BaseException) -> None:
+    """Log, once per process, why its engine cannot be built (a module that fails to
+    import, wrong settings), in full; each message given back for it says one line."""
+    if not _told_why.is_set():
+        _told_why.set()
+        log.error(
+            "agentruns: this worker cannot build its engine; it gives every message "
+            "back to the queue, for another worker, until it is mended and restarted",
+            exc_info=exc,
+        )
+
+
 def _build_engine(app: Any = None) -> Engine:
     from agentruns.engine import Engine
     from agentruns.leases import LocalLeases, RedisLeases
@@ -132,7 +147,7 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
                     first_line(exc),
                 )
             else:
-                log.exception("agentruns: could not build the engine; tasks will fail until fixed")
+                say_once_why_there_is_no_engine(exc)
 
 
 def _say_if_the_sweeps_queue_is_not_consumed(consumer: Any) -> None:
@@ -181,6 +196,7 @@ def _on_worker_process_init(**_: Any) -> None:
     _engine = None
     _engine_lock = threading.Lock()  # another thread may have held it at the fork
     _shutting_down.clear()
+    _told_why.clear()
     signal.signal(_DRAIN_SIGNAL, _on_drain_signal)
 
 

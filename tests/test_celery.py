@@ -790,7 +790,8 @@ def test_messages_sent_before_the_database_is_migrated_are_answered_after(
         cluster.env["AGENTRUNS_DATABASE_URL"] = url
         (worker,) = cluster.workers("w1")  # deployed before `agentruns migrate`
         dispatch.delay("quick", trigger({"n": 1}), idempotency_key="before-migrate")
-        wait_for(lambda: "Retry in" in worker.output(), "the dispatch to retry")
+        said = "cannot work on this database yet"
+        wait_for(lambda: said in worker.output(), "the dispatch to be given back")
         migrate(url)
         store = SqlStore(url)
         try:
@@ -821,6 +822,44 @@ def test_a_worker_that_cannot_work_on_the_database_leaves_the_nudges_to_others(
         # Each message given back logged the refused schema's whole chain (about 40
         # lines, every second, for each): now Celery's rejection only.
         assert "The above exception was the direct cause" not in said
+    finally:
+        cluster.stop(graceful=False)
+
+
+def test_a_worker_that_cannot_build_its_engine_gives_every_message_back(
+    cluster: Cluster, engine: Engine
+) -> None:
+    from agentruns.tasks import cancel, dispatch
+
+    # A worker deployed with an agent module that does not import acked and dropped
+    # every dispatch (and cancel, resume, retry) it took: beside a good worker, most
+    # of the runs sent were never stored.
+    waiting = engine.dispatch("quick", trigger({"n": 0}), schedule=False)
+    good = cluster.env["AGENTRUNS_AGENTS"]
+    try:
+        cluster.env["AGENTRUNS_AGENTS"] = f"{good},tests.support.no_such_module"
+        (broken,) = cluster.workers("broken")
+        for i in range(10):
+            dispatch.delay("quick", trigger({"n": i}), idempotency_key=f"sent-{i}")
+        cancel.delay(waiting.id)
+        said = "this worker cannot build its engine (ModuleNotFoundError"
+        wait_for(lambda: said in broken.output(), "the broken worker to give messages back")
+        cluster.env["AGENTRUNS_AGENTS"] = good
+        cluster.workers("good")
+        wait_for(
+            lambda: len([r for r in engine.list_runs() if r.idempotency_key]) == 10,
+            "every dispatch to be stored",
+            60,
+        )
+        sent = [r for r in engine.list_runs() if r.idempotency_key]
+        for run in sent:
+            wait_for(partial(completed, engine, run.id), "every run to complete", 30)
+        wait_for(lambda: engine.get_run(waiting.id).status is RunStatus.CANCELLED, "the cancel")
+        output = broken.output()
+        # Why, in full, once; then one line per message given back.
+        assert output.count("cannot build its engine; it gives every message back") == 1
+        assert output.count("No module named 'tests.support.no_such_module'") >= 2
+        assert output.count("Traceback") == 1
     finally:
         cluster.stop(graceful=False)
 

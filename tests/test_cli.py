@@ -438,6 +438,27 @@ def test_a_second_ctrl_c_cuts_the_drain_short_without_a_traceback(cli: Cli, tmp_
     assert err.strip() == "agentruns: interrupted", err
 
 
+def test_ctrl_c_does_not_wait_for_a_notifier_that_hangs(cli: Cli, tmp_path: Path) -> None:
+    # The run is waiting and its notifier hangs (a webhook with no timeout): the
+    # command waits for it, and a Ctrl-C then waited for it another 10 s at close.
+    log = tmp_path / "tools.log"
+    env = {
+        **os.environ,
+        "AGENTRUNS_AGENTS": "tests.support.agents",
+        "AGENTRUNS_TEST_HANG": "notifier",
+        "AGENTRUNS_TEST_LOG": str(log),
+    }
+    dispatch = _interruptible("dispatch", "hung_pager", "--payload", "{}", env=env)
+    try:
+        wait_for(lambda: log.exists() and "hanging notifier" in log.read_text())
+        dispatch.send_signal(signal.SIGINT)
+        _, err = dispatch.communicate(timeout=session_module.NOTIFIERS_WAIT_S / 2)
+    finally:
+        dispatch.kill()
+    assert dispatch.returncode == 130, err
+    assert err.strip() == "agentruns: interrupted", err
+
+
 def test_the_cli_module_imports_nothing_heavy() -> None:
     # What the console script imports before main() runs: a Ctrl-C there is Python's
     # traceback, so SQLAlchemy, Celery, pydantic and redis wait for main().

@@ -86,7 +86,7 @@ def _run(args: argparse.Namespace) -> int:
         return 0
     except KeyboardInterrupt:
         try:
-            session.close()  # drains: this process's runs settle interrupted
+            session.close(interrupted=True)  # drains: its runs settle interrupted
         except KeyboardInterrupt:
             # A second Ctrl-C while the drain waits (for a tool call, say): leave now,
             # not after the calls in flight. recover picks their runs up once their

@@ -194,10 +194,13 @@ class Session:
             if Engine.is_infrastructure_error(exc) or isinstance(exc, redis.RedisError):
                 raise exc
 
-    def close(self) -> None:
+    def close(self, *, interrupted: bool = False) -> None:
+        """Close the engine (draining its executions). A Ctrl-C does not wait for the
+        notifier calls under way either: it waited for them another 10 s, after its
+        person asked to stop. Those left are called again by the next tick."""
         if self._engine is not None:
             engine, self._engine = self._engine, None
-            if self._notifiers_left:  # waited for, and said
+            if self._notifiers_left or interrupted:  # waited for, and said; or not wanted
                 engine.close(notifiers_timeout=0)
             else:
                 engine.close()

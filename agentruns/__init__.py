@@ -72,22 +72,27 @@ _HOMES = {
 }
 
 
-def __getattr__(name: str) -> object:
-    home = _HOMES.get(name)
-    if home is not None:
-        value: object = getattr(importlib.import_module(home), name)
-    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
-        # A subpackage asked for as an attribute (agentruns.models.ScriptedModel
-        # after a bare import agentruns), as when this module imported them all.
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+if not TYPE_CHECKING:
+    # Hidden from type checkers: a module __getattr__ would make any misspelt name
+    # (agentruns.Engnie) pass; the names are the ones imported above for them.
 
+    def __getattr__(name: str) -> object:
+        home = _HOMES.get(name)
+        if home is not None:
+            value: object = getattr(importlib.import_module(home), name)
+        elif (
+            not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None
+        ):
+            # A subpackage asked for as an attribute (agentruns.models.ScriptedModel
+            # after a bare import agentruns), as when this module imported them all.
+            value = importlib.import_module(f"{__name__}.{name}")
+        else:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        globals()[name] = value
+        return value
 
-def __dir__() -> list[str]:
-    return sorted({*globals(), *_HOMES})
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_HOMES})
 
 
 __all__ = [

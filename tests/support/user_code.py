@@ -37,4 +37,6 @@ dispatch.s("triage", {})  # Celery's other attributes: untyped, not refused
 Engine.from_settings(slots=3, secret="s")
 Engine.from_settings(slot=3)  # error: call-arg
 
+# The package's names are loaded when first asked for; a misspelt one is still an error.
+from agentruns import Engnie  # noqa: E402, F401  # error: attr-defined
 from agentruns.models import ScriptedModle  # noqa: E402, F401  # error: attr-defined

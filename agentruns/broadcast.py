@@ -51,7 +51,9 @@ class EventPublisher:
         self._client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=5)
         self._channel = channel(self._client, prefix)
         self._queue: queue.Queue[dict[str, object] | None] = queue.Queue(maxsize)
-        self._listening = False
+        # Until the first look says otherwise, someone may be watching: a short
+        # command (`agentruns cancel`) made no event before its first look.
+        self._listening = True
         self._closing = False
         self._thread = threading.Thread(target=self._run, name="agentruns-events", daemon=True)
         self._thread.start()
@@ -77,8 +79,10 @@ class EventPublisher:
             try:
                 item = self._queue.get(timeout=self.LOOK_EVERY_S)
             except queue.Empty:
+                if self._closing:  # all published (a full queue took no wake-up)
+                    return
                 continue
-            if item is None or self._closing:
+            if item is None:  # after what was queued before close()
                 return
             batch = [item]
             while not self._queue.empty() and len(batch) < 500:
@@ -106,7 +110,10 @@ class EventPublisher:
             log.debug("could not publish %d events: %s", len(batch), exc)
 
     def close(self) -> None:
-        """Stop publishing (what is still queued may be dropped); never waits long."""
+        """Publish what is queued, then stop; never waits long (5 s, for a Redis that
+        stalls). What a short command did (`agentruns cancel`) was queued just before
+        its close, and was dropped: a watcher saw it a poll later, or, for a run
+        outside its window, not at all."""
         self._closing = True
         with contextlib.suppress(queue.Full):
             self._queue.put_nowait(None)  # wakes the thread if it waits for events

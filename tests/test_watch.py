@@ -30,6 +30,7 @@ from agentruns.broadcast import EventPublisher, channel, subscribe, summary
 from agentruns.cli import watch
 from agentruns.cli.session import Session
 from agentruns.cli.watch import _Follower, _runs, _wakeups
+from agentruns.events import Event
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.schedulers import ManualScheduler
 from agentruns.settings import Settings
@@ -390,6 +391,29 @@ def test_events_that_arrive_together_are_read_in_one_wakeup() -> None:
         assert batch is not None and [e["run_id"] for e in batch] == [str(i) for i in range(50)]
     finally:
         wakeups.close()
+
+
+def test_what_a_short_command_did_is_published_before_it_exits(sqlite_url: str) -> None:
+    # `agentruns cancel` made its event before its publisher's first look (none, then)
+    # or queued it just before its close (dropped): a watcher missed about one in three.
+    prefix = f"watch-short-{os.getpid()}"
+    wakeups = subscribe(REDIS_URL, prefix=prefix, timeout=0.2)
+    engine = _manual_engine(sqlite_url)
+    try:
+        assert next(wakeups) == []  # subscribed
+        runs = [engine.dispatch("a", trigger({"n": i})) for i in range(10)]
+        for run in runs:  # a command each: a publisher made, used at once and closed
+            publisher = EventPublisher(REDIS_URL, prefix=prefix)
+            publisher(Event("run.updated", run=engine.cancel(run.id)))
+            publisher.close()
+        heard: list[dict[str, object]] = []
+        deadline = time.monotonic() + 5
+        while len(heard) < len(runs) and time.monotonic() < deadline:
+            heard += next(wakeups) or []
+        assert [(e["run_id"], e["status"]) for e in heard] == [(r.id, "cancelled") for r in runs]
+    finally:
+        wakeups.close()
+        engine.close()
 
 
 def test_a_worker_makes_no_events_while_nobody_watches(

@@ -164,8 +164,12 @@ class _Follower:
         lost = [r for r in held if r not in shown][:REREAD]
         lost_set = set(lost)
         named = [r for r in self.named if r not in shown and r not in lost_set]
-        self.named.clear()
-        again = self._get_runs([*lost, *named[: max(0, REREAD - len(lost))]])
+        taken = named[: max(0, REREAD - len(lost))]
+        again = self._get_runs([*lost, *taken])
+        # Forgotten once read (a read that fails, the database away, keeps them for the
+        # next look); those the read had no room for wait for it too.
+        for run_id in {*taken, *(r for r in self.named if r in shown or r in lost_set)}:
+            self.named.pop(run_id, None)
         found = {run.id for run in again}
         for run_id in lost:
             if run_id not in found:

@@ -104,8 +104,26 @@ def _in_a_celery_workers_task() -> bool:
     return any(not (t.request.called_directly or t.request.is_eager) for t in tasks)
 
 
+def rebuilt(
+    cls: type[BaseException], args: tuple[object, ...], state: dict[str, object]
+) -> BaseException:
+    """An exception unpickled as it was, its ``__init__`` not called again (see
+    ``AgentrunsError.__reduce__``)."""
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    exc.__dict__.update(state)
+    return exc
+
+
 class AgentrunsError(Exception):
     """Base class of every error agentruns raises on purpose."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        # Pickled whole: a prefork worker's process sends a task's error to its main
+        # process so, and Celery keeps one so. By default, unpickling calls the class
+        # with the finished message (UnknownAgentError said "unknown agent "unknown
+        # agent 'x'"") and a NotifierError, which takes two arguments, not at all.
+        return rebuilt, (type(self), self.args, dict(self.__dict__))
 
 
 class LeaseLostError(AgentrunsError):
@@ -154,10 +172,6 @@ class NotRetryableError(AgentrunsError):
     def __init__(self, run_id: str, message: str) -> None:
         self.run_id = run_id
         super().__init__(message)
-
-    def __reduce__(self) -> tuple[type[NotRetryableError], tuple[str, str]]:
-        # Pickled whole (Celery keeps a task's error so, or shows a base class instead).
-        return type(self), (self.run_id, str(self))
 
 
 class InvalidTriggerError(AgentrunsError):

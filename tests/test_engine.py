@@ -2781,3 +2781,31 @@ def test_recover_goes_past_a_run_another_session_holds_locked(
         done.set()
         holder.join()
     assert engine.recover() == [locked.id]  # let go: the next sweep takes it
+
+
+def test_every_error_pickles_whole() -> None:
+    # A prefork worker's process pickles a task's error to its main process: unpickled,
+    # UnknownAgentError said its message twice, a token's reason was its whole message,
+    # a ModelError lost its usage and a NotifierError did not unpickle at all.
+    import pickle
+
+    from agentruns import errors
+    from agentruns.models.base import ModelError
+
+    usage = Usage(input_tokens=3, output_tokens=4)
+    made = [
+        errors.LeaseLostError("r1"),
+        errors.InvalidTokenError("expired", "it expired at noon"),
+        errors.InvalidTokenError("malformed"),
+        errors.UnknownAgentError("nobody"),
+        errors.RunNotFoundError("r2"),
+        errors.NotRetryableError("r3", "run r3 is completed"),
+        errors.NotifierError("r4", ValueError("the pager is down")),
+        errors.InvalidSettingError("AGENTRUNS_SLOTS must be a number"),
+        errors.InvalidAnswerError("approved must be a bool"),
+        ModelError("overloaded", usage),
+    ]
+    for exc in made:
+        back = pickle.loads(pickle.dumps(exc))
+        assert type(back) is type(exc)
+        assert (str(back), back.args, vars(back)) == (str(exc), exc.args, vars(exc))

@@ -6,6 +6,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from agentruns.errors import rebuilt
 from agentruns.runs import Usage
 
 
@@ -18,6 +19,9 @@ class ModelError(Exception):
     def __init__(self, message: str, usage: Usage | None = None) -> None:
         super().__init__(message)
         self.usage = usage
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return rebuilt, (type(self), self.args, dict(self.__dict__))  # with its usage
 
 
 class ModelAborted(Exception):

@@ -11,6 +11,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from agentruns.errors import first_line
 from agentruns.leases.local import AbortHandlers
 
 logger = logging.getLogger(__name__)
@@ -136,15 +137,18 @@ class RedisLeases:
                             lost = False
                     elif message["type"] == "message":
                         self._handlers.call(_text(message["data"]))
-            except (redis.RedisError, OSError):
+            except (redis.RedisError, OSError) as exc:
                 self._subscribed.clear()
-                # Once per outage, not once per retry (every 2 s, in every process).
-                logger.log(
-                    logging.DEBUG if lost else logging.WARNING,
-                    "abort listener lost Redis; reconnecting in %.1fs",
-                    backoff,
-                    exc_info=not lost,
-                )
+                # Once per outage, not once per retry (every 2 s, in every process), in
+                # one line: its traceback (about 75 lines of redis-py) said no more.
+                if lost:
+                    logger.debug("abort listener: Redis still away", exc_info=True)
+                else:
+                    logger.warning(
+                        "abort listener lost Redis (%s); reconnecting in %.1fs",
+                        first_line(exc),
+                        backoff,
+                    )
                 lost = True
                 self._stopping.wait(backoff)
                 backoff = min(backoff * 2, _BACKOFF_MAX_S)

@@ -414,19 +414,30 @@ def _interruptible(*argv: str, env: dict[str, str]) -> subprocess.Popen[str]:
     )
 
 
-def test_a_second_ctrl_c_cuts_the_drain_short_without_a_traceback(cli: Cli, tmp_path: Path) -> None:
-    # The first Ctrl-C drains, which waits for the tool call in flight: here one that
-    # hangs, so only a second Ctrl-C gets the person their prompt back.
+def _hanging_dispatch(agent: str, hang: str, tmp_path: Path) -> subprocess.Popen[str]:
+    """``agentruns dispatch AGENT`` (embedded), once its ``hang`` (the ``note`` tool, the
+    ``notifier``: see tests.support.agents) hangs, which it does until the process ends."""
     log = tmp_path / "tools.log"
     env = {
         **os.environ,
         "AGENTRUNS_AGENTS": "tests.support.agents",
-        "AGENTRUNS_TEST_HANG": "note",
+        "AGENTRUNS_TEST_HANG": hang,
         "AGENTRUNS_TEST_LOG": str(log),
     }
-    dispatch = _interruptible("dispatch", "steps", "--payload", "{}", env=env)
+    dispatch = _interruptible("dispatch", agent, "--payload", "{}", env=env)
     try:
-        wait_for(lambda: log.exists() and "hanging note" in log.read_text(), "the tool to hang")
+        wait_for(lambda: log.exists() and f"hanging {hang}" in log.read_text(), f"{hang} to hang")
+    except BaseException:
+        dispatch.kill()
+        raise
+    return dispatch
+
+
+def test_a_second_ctrl_c_cuts_the_drain_short_without_a_traceback(cli: Cli, tmp_path: Path) -> None:
+    # The first Ctrl-C drains, which waits for the tool call in flight: here one that
+    # hangs, so only a second Ctrl-C gets the person their prompt back.
+    dispatch = _hanging_dispatch("steps", "note", tmp_path)
+    try:
         dispatch.send_signal(signal.SIGINT)
         time.sleep(0.5)
         assert dispatch.poll() is None  # draining: waiting for the tool
@@ -441,16 +452,8 @@ def test_a_second_ctrl_c_cuts_the_drain_short_without_a_traceback(cli: Cli, tmp_
 def test_ctrl_c_does_not_wait_for_a_notifier_that_hangs(cli: Cli, tmp_path: Path) -> None:
     # The run is waiting and its notifier hangs (a webhook with no timeout): the
     # command waits for it, and a Ctrl-C then waited for it another 10 s at close.
-    log = tmp_path / "tools.log"
-    env = {
-        **os.environ,
-        "AGENTRUNS_AGENTS": "tests.support.agents",
-        "AGENTRUNS_TEST_HANG": "notifier",
-        "AGENTRUNS_TEST_LOG": str(log),
-    }
-    dispatch = _interruptible("dispatch", "hung_pager", "--payload", "{}", env=env)
+    dispatch = _hanging_dispatch("hung_pager", "notifier", tmp_path)
     try:
-        wait_for(lambda: log.exists() and "hanging notifier" in log.read_text())
         dispatch.send_signal(signal.SIGINT)
         _, err = dispatch.communicate(timeout=session_module.NOTIFIERS_WAIT_S / 2)
     finally:

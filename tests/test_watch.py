@@ -524,13 +524,15 @@ def test_a_change_an_event_names_is_shown_though_the_run_is_outside_the_window(
         engine.cancel(oldest.id)
         for event in published:
             follower.heard(event)
-        # A look whose read fails (the database went away) leaves the name for the next.
-        looked = _runs(engine, None)
-        with monkeypatch.context() as away:
-            gone = sa.exc.OperationalError("SELECT", {}, Exception("the database is away"))
-            away.setattr(engine.store, "get_runs", lambda ids: (_ for _ in ()).throw(gone))
-            with pytest.raises(sa.exc.OperationalError):
-                follower.poll(looked, baseline=False)
+        # A look whose read fails (the database went away), of the runs or of their
+        # steps, leaves the name for the next.
+        gone = sa.exc.OperationalError("SELECT", {}, Exception("the database is away"))
+        for read in ("get_runs", "steps"):
+            looked = _runs(engine, None)
+            with monkeypatch.context() as away:
+                away.setattr(engine.store, read, lambda *args: (_ for _ in ()).throw(gone))
+                with pytest.raises(sa.exc.OperationalError):
+                    follower.poll(looked, baseline=False)
         follower.poll(_runs(engine, None), baseline=False)
         assert _shown(out, oldest.id) == ["cancelled"]
         follower.heard({"run_id": "another-deployments-run", "status": "completed"})

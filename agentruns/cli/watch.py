@@ -65,8 +65,9 @@ class _Follower:
         """Show what changed in the runs of a look. A run is read in full only when its
         status line is shown (its wait point, say, may hold a tool's large input), all
         such runs in one read; of its steps, only those not shown yet are read."""
+        read: set[str] = set()  # the names events gave that this look reads
         if not baseline:
-            looked = [*looked, *self._left(looked)]
+            looked = [*looked, *self._left(looked, read)]
         changed = [
             head
             for head in sorted(looked, key=lambda r: r.created_at)
@@ -91,6 +92,10 @@ class _Follower:
                     self._show_steps(head.id, steps)
             except RunNotFoundError:
                 continue  # deleted by hand since the look
+        # Forgotten once shown: a read that failed (the database went away), of the
+        # runs or of their steps, leaves them named for the next look.
+        for run_id in read:
+            self.named.pop(run_id, None)
         self._forget(looked)
 
     def _shows(self, head: Run | RunHead, baseline: bool) -> bool:
@@ -151,14 +156,15 @@ class _Follower:
                 shown = step.index + 1
         self.steps[run_id] = shown
 
-    def _left(self, looked: Sequence[Run | RunHead]) -> list[Run]:
+    def _left(self, looked: Sequence[Run | RunHead], read: set[str]) -> list[Run]:
         """The runs held unsettled that a look lacks, and those events named, read again
         by id: a look holds only the newest runs and the active ones, so a run that
         settled once newer runs had pushed it out of the window is shown settled only by
         this read (and ``--until-final`` waited for it for ever), and a change of a run
         outside the window (cancelling the oldest of 2,000 waiting) only if an event
         named it. A held run this read lacks was deleted; a named one is another
-        deployment's."""
+        deployment's. The names it reads, or finds in the look, are added to ``read``;
+        those the read has no room for wait for the next look."""
         shown = {run.id for run in looked}
         held = [r for r, status in self.status.items() if not status.is_final]
         lost = [r for r in held if r not in shown][:REREAD]
@@ -166,10 +172,7 @@ class _Follower:
         named = [r for r in self.named if r not in shown and r not in lost_set]
         taken = named[: max(0, REREAD - len(lost))]
         again = self._get_runs([*lost, *taken])
-        # Forgotten once read (a read that fails, the database away, keeps them for the
-        # next look); those the read had no room for wait for it too.
-        for run_id in {*taken, *(r for r in self.named if r in shown or r in lost_set)}:
-            self.named.pop(run_id, None)
+        read.update(taken, (r for r in self.named if r in shown or r in lost_set))
         found = {run.id for run in again}
         for run_id in lost:
             if run_id not in found:

@@ -313,12 +313,14 @@ def _engine_or_give_back(task: Any) -> Engine:
     modules are wrong (a module that fails to import, an agent named twice, no
     ``AGENTRUNS_SECRET``): beside a good worker, it took and failed nine in ten
     dispatches. (One that cannot be built because the database or Redis is away
-    raises that outage, as a built one's calls do; run eagerly, in its caller, the
-    error is the caller's.)"""
+    raises that outage, as a built one's calls do; run eagerly or called, in its
+    caller, the error is the caller's.)"""
     try:
         return get_engine(task.app)
     except Exception as exc:
-        if task.request.is_eager or Engine.is_infrastructure_error(exc):
+        if task.request.is_eager or task.request.called_directly:
+            raise  # the caller's, not a worker's: nothing to give back
+        if Engine.is_infrastructure_error(exc):
             raise
         if isinstance(exc, NotMigratedError):
             why = f"this worker cannot work on this database yet: {exc}"

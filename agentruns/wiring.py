@@ -9,7 +9,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypedDict, Unpack
 
 from agentruns.agent import Agent
-from agentruns.errors import AgentrunsError
+from agentruns.errors import AgentrunsError, first_line
 from agentruns.settings import Settings, get_settings
 
 if TYPE_CHECKING:
@@ -51,7 +51,16 @@ def load_agents(modules: list[str]) -> list[Agent]:
     cwd_on_path()
     found: dict[str, tuple[Agent, str]] = {}  # by name: the agent, and its module
     for name in modules:
-        module = importlib.import_module(name)
+        try:
+            module = importlib.import_module(name)
+        except Exception as exc:
+            # Whatever a module raised (a config file it opens not there: OSError) is
+            # the deployment's mistake, not an outage of the database or Redis: a
+            # worker that took it for one acked the sweeps and nudges it could not run.
+            raise AgentrunsError(
+                f"cannot import the agent modules {','.join(modules)!r} (AGENTRUNS_AGENTS):"
+                f" {first_line(exc)}"
+            ) from exc
         for value in vars(module).values():
             if not isinstance(value, Agent):
                 continue
@@ -81,10 +90,12 @@ def engine_from_settings(
             " worker's Redis broker), every process needs the same secret to sign and check"
             " resume tokens"
         )
+    # Before anything is built for the engine: nothing is left open when they fail.
+    agents = overrides["agents"] if "agents" in overrides else load_agents(s.agent_modules)
     store = SqlStore(s.database_url, pool_size=s.database_pool_size)
     kwargs: EngineOptions = {
         "store": store,
-        "agents": load_agents(s.agent_modules),
+        "agents": agents,
         "secret": s.secret,
         "slots": s.slots,
         "lease_ttl": s.lease_ttl,

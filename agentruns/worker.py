@@ -15,12 +15,13 @@ import logging
 import os
 import signal
 import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from celery import signals
 
 from agentruns.celery import SWEEPS
-from agentruns.errors import first_line
+from agentruns.errors import NotMigratedError, first_line
 from agentruns.outages import is_outage
 from agentruns.settings import MAX_SLOTS, get_settings, is_redis_url
 
@@ -39,6 +40,11 @@ _DRAIN_SIGNAL = signal.SIGUSR2
 
 _engine: Engine | None = None
 _engine_lock = threading.Lock()
+# A build that failed for the deployment's own mistake (an agent module that does not
+# import, a setting), and when: tried again only after a while, not for each message
+# given back (the module's code ran again each time, what it started piling up).
+_failed: tuple[float, Exception] | None = None
+_BUILD_AGAIN_AFTER_S = 10.0
 _slots: int | None = None  # the pool's concurrency, once the worker knows it
 _shutting_down = threading.Event()
 
@@ -49,10 +55,18 @@ def get_engine(app: Any = None) -> Engine:
     the engine sends its executions through it, to the queues its worker consumes,
     and takes its leases from its broker's Redis unless ``AGENTRUNS_REDIS_URL`` says
     otherwise. By default, ``agentruns.celery.app``."""
-    global _engine
+    global _engine, _failed
     with _engine_lock:
         if _engine is None:
-            _engine = _build_engine(app)
+            if _failed is not None and time.monotonic() - _failed[0] < _BUILD_AGAIN_AFTER_S:
+                raise _failed[1].with_traceback(None)  # (its traceback was logged)
+            try:
+                _engine = _build_engine(app)
+            except Exception as exc:
+                if not is_outage(exc) and not isinstance(exc, NotMigratedError):
+                    _failed = (time.monotonic(), exc)
+                raise
+            _failed = None
         return _engine
 
 
@@ -146,6 +160,11 @@ def _on_worker_ready(sender: Any = None, **_: Any) -> None:
                     "agentruns: could not build the engine (%s); its tasks try again",
                     first_line(exc),
                 )
+            elif isinstance(exc, NotMigratedError):  # no restart needed: `agentruns migrate`
+                log.error(
+                    "agentruns: %s (until then, this worker gives every message back)",
+                    first_line(exc, typed=False),
+                )
             else:
                 say_once_why_there_is_no_engine(exc)
 
@@ -191,9 +210,10 @@ def _routed_queue(app: Any, task: str) -> str | None:
 
 def _on_worker_process_init(**_: Any) -> None:
     """A prefork child: forget anything inherited, build its own engine on first use."""
-    global _engine, _engine_lock
+    global _engine, _engine_lock, _failed
     # The inherited engine's sockets belong to the parent: drop it, don't close it.
     _engine = None
+    _failed = None
     _engine_lock = threading.Lock()  # another thread may have held it at the fork
     _shutting_down.clear()
     _told_why.clear()

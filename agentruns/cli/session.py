@@ -97,13 +97,8 @@ class Session:
     def _agents(self) -> list[Agent]:
         try:
             return load_agents(self.settings.agent_modules)
-        except AgentrunsError as exc:  # they import, but cannot be used together
+        except AgentrunsError as exc:  # they do not import, or cannot be used together
             raise CliError(str(exc)) from None
-        except Exception as exc:
-            raise CliError(
-                f"cannot import the agent modules {self.settings.agents!r} "
-                f"(AGENTRUNS_AGENTS): {type(exc).__name__}: {first_line(exc, typed=False)}"
-            ) from None
 
     def refuse_sqlite_memory(self) -> None:
         """An in-memory SQLite database ends with the command: migrated by one, it

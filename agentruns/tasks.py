@@ -33,7 +33,7 @@ from agentruns import approvals, intake
 from agentruns.broker import send_together
 from agentruns.celery import AMQP, app
 from agentruns.engine import Engine
-from agentruns.errors import AgentrunsError, NotMigratedError, first_line
+from agentruns.errors import AgentrunsError, NotMigratedError, UnknownAgentError, first_line
 from agentruns.outages import OUTAGE
 from agentruns.runs import Run, RunStatus
 from agentruns.worker import (  # and a worker's signal handlers
@@ -391,11 +391,23 @@ def dispatch(
             "thread": thread,
             "budget": budget,
         }
-        if shutting_down():
-            run = engine.dispatch(agent, trigger, **kwargs, schedule=False)
-        else:
-            # The notifier of a run that pauses holds none of the pool's threads.
-            run = engine.dispatch_here(agent, trigger, **kwargs, wait_for_notifiers=False)
+        try:
+            if shutting_down():
+                run = engine.dispatch(agent, trigger, **kwargs, schedule=False)
+            else:
+                # The notifier of a run that pauses holds none of the pool's threads.
+                run = engine.dispatch_here(agent, trigger, **kwargs, wait_for_notifiers=False)
+        except UnknownAgentError as exc:
+            # No run is stored, so nothing but this line tells of it (Celery's says it
+            # at INFO): a producer's agent this worker lacks, or a misspelt name.
+            log.warning(
+                "agentruns dispatch %s: %s (this worker has %s: AGENTRUNS_AGENTS); nothing"
+                " was stored",
+                self.request.id,
+                exc,
+                ", ".join(map(repr, engine.agents)) or "none",
+            )
+            raise
         if run.status is RunStatus.QUEUED:
             engine.scheduler.schedule(run.id)
     return run.id

@@ -622,6 +622,13 @@ def test_redelivered_and_bad_messages_store_nothing_more(cluster: Cluster, engin
     assert answered() == expected
     assert "Retry in" not in worker.output() and "Traceback" not in worker.output()
     assert worker.popen.poll() is None
+    # A dispatch of an agent the worker lacks stores nothing: said at WARNING, with
+    # the agents it has (Celery's line is INFO, and nothing else tells of it).
+    said = (
+        "WARNING/MainProcess] agentruns dispatch .+: unknown agent 'no-such-agent' "
+        r"\(this worker has 'quick', .+: AGENTRUNS_AGENTS\); nothing was stored"
+    )
+    assert re.search(said, worker.output()), worker.output()
 
 
 def test_a_retry_task_takes_a_failed_run_on_in_a_worker(cluster: Cluster, engine: Engine) -> None:

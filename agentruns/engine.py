@@ -534,14 +534,16 @@ class Engine:
             self.events.steps_appended(committed.steps)
         self.events.run_updated(committed.run)
 
-    def report(self, exc: Exception) -> None:
+    def report(self, exc: Exception, *, what: str | None = None) -> None:
+        """Give ``exc`` to ``on_error``, or log it; ``what`` says, in the log, what it
+        stopped (a bare outage line did not say which run, nor what became of it)."""
         if self._on_error is None:
             if isinstance(exc, LeaseLostError):
                 log.warning("%s", exc)
             elif self.is_infrastructure_error(exc):
                 # An outage the README says what becomes of: one line, not a traceback
                 # for each of a worker's runs.
-                log.warning("agentruns: %s", first_line(exc))
+                log.warning("agentruns: %s%s", f"{what}: " if what else "", first_line(exc))
             elif isinstance(exc, NotifierError) and not self._first_failure(exc.run_id):
                 # tick calls it again every 5 s: its traceback once, then a line a call
                 # (17,000 tracebacks a day for one waiting run).

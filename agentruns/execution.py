@@ -61,7 +61,7 @@ class Host(Protocol):
     store: Store
     events: Events
 
-    def report(self, exc: Exception) -> None: ...
+    def report(self, exc: Exception, *, what: str | None = None) -> None: ...
 
     def published(self, committed: Committed) -> None: ...
 
@@ -196,7 +196,7 @@ class Execution:
             if stops_the_task(exc):
                 self._stopped(exc)
                 return self.run
-            self.engine.report(exc)
+            self.engine.report(exc, what=f"run {self.run.id} let go, for recover")
             if not self.engine.is_infrastructure_error(exc):
                 error = RunError(code="internal_error", message=exception_text(exc))
                 self._settle_quietly(RunStatus.FAILED, error)

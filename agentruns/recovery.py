@@ -36,7 +36,7 @@ class Host(Protocol):
     lease_ttl: float
     requeue_after: float
 
-    def report(self, exc: Exception) -> None: ...
+    def report(self, exc: Exception, *, what: str | None = None) -> None: ...
 
 
 class Recovery:

@@ -1090,6 +1090,36 @@ def test_an_outage_reported_with_no_on_error_is_one_warning_line(
     assert not [r for r in caplog.records if r.levelname == "ERROR"]
 
 
+def test_an_execution_an_outage_stops_is_said_with_its_run_and_what_becomes_of_it(
+    db_url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A worker said only "agentruns: OperationalError: ...": not which run, nor that
+    # it was left for recover.
+    away = contextlib.ExitStack()
+
+    def answer(messages: Any) -> Any:
+        away.enter_context(database_away(db_url))  # its response cannot be saved
+        return text("ok")
+
+    agents = [Agent("a", ScriptedModel(answer))]
+    engine = Engine(
+        SqlStore(db_url),
+        leases=LocalLeases(),
+        scheduler=ManualScheduler(),
+        agents=agents,
+        secret="s",
+    )
+    try:
+        run = engine.dispatch("a", trigger({}))
+        with away:
+            engine.execute(run.id)
+    finally:
+        engine.close()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    line = f"agentruns: run {run.id} let go, for recover: OperationalError: "
+    assert any(m.startswith(line) for m in said), said
+
+
 def test_a_reply_of_a_server_tools_call_and_result_alone_completes(
     make_engine: EngineFactory,
 ) -> None:

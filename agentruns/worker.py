@@ -40,11 +40,13 @@ _DRAIN_SIGNAL = signal.SIGUSR2
 
 _engine: Engine | None = None
 _engine_lock = threading.Lock()
-# A build that failed for the deployment's own mistake (an agent module that does not
-# import, a setting), and when: tried again only after a while, not for each message
-# given back (the module's code ran again each time, what it started piling up).
+# In a worker's process, a build that failed for the deployment's own mistake (an
+# agent module that does not import, a setting), and when: tried again only after a
+# while, not for each message given back (the module's code ran again each time, what
+# it started piling up). Elsewhere (a team's tests, eager) each call builds again.
 _failed: tuple[float, Exception] | None = None
 _BUILD_AGAIN_AFTER_S = 10.0
+_a_workers_process = False  # set as the worker (or a prefork child of it) starts
 _slots: int | None = None  # the pool's concurrency, once the worker knows it
 _shutting_down = threading.Event()
 
@@ -63,7 +65,8 @@ def get_engine(app: Any = None) -> Engine:
             try:
                 _engine = _build_engine(app)
             except Exception as exc:
-                if not is_outage(exc) and not isinstance(exc, NotMigratedError):
+                mistake = not is_outage(exc) and not isinstance(exc, NotMigratedError)
+                if mistake and _a_workers_process:
                     _failed = (time.monotonic(), exc)
                 raise
             _failed = None
@@ -135,7 +138,8 @@ _pool: Any = None  # the worker's pool, known from worker_ready
 
 
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
-    global _pool, _slots
+    global _pool, _slots, _a_workers_process
+    _a_workers_process = True
     _pool = getattr(sender, "pool", None)
     limit = getattr(_pool, "limit", None)
     _slots = limit if isinstance(limit, int) and limit > 0 else None
@@ -210,10 +214,11 @@ def _routed_queue(app: Any, task: str) -> str | None:
 
 def _on_worker_process_init(**_: Any) -> None:
     """A prefork child: forget anything inherited, build its own engine on first use."""
-    global _engine, _engine_lock, _failed
+    global _engine, _engine_lock, _failed, _a_workers_process
     # The inherited engine's sockets belong to the parent: drop it, don't close it.
     _engine = None
     _failed = None
+    _a_workers_process = True
     _engine_lock = threading.Lock()  # another thread may have held it at the fork
     _shutting_down.clear()
     _told_why.clear()

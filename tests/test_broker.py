@@ -350,6 +350,40 @@ def test_a_teams_own_eager_app_without_redis_runs_its_tasks_in_the_caller(
         get_settings.cache_clear()
 
 
+def test_a_teams_tests_build_the_engine_again_once_their_settings_are_mended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside a worker, a build that failed is not remembered: a worker tries its
+    agent modules again only every so often, and a team's test that mends its
+    settings got the old error for as long."""
+    from agentruns import worker
+    from agentruns.errors import AgentrunsError
+    from agentruns.migrate import migrate
+    from agentruns.settings import get_settings
+
+    url = f"sqlite:///{tmp_path / 'team.db'}"
+    migrate(url)
+    for name in ("AGENTRUNS_REDIS_URL", "AGENTRUNS_BROKER_URL"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AGENTRUNS_DATABASE_URL", url)
+    monkeypatch.setenv("AGENTRUNS_SECRET", "team-secret")
+    monkeypatch.setattr(worker, "_engine", None)
+    team = Celery("team", broker="memory://", set_as_current=False)
+    team.conf.task_always_eager = True
+    try:
+        monkeypatch.setenv("AGENTRUNS_AGENTS", "tests.support.broken_agents")
+        get_settings.cache_clear()
+        with pytest.raises(AgentrunsError, match="cannot import the agent modules"):
+            worker.get_engine(team)
+        monkeypatch.setenv("AGENTRUNS_AGENTS", "tests.support.agents")
+        get_settings.cache_clear()
+        assert "pager" in worker.get_engine(team).agents
+    finally:
+        if worker._engine is not None:
+            worker._engine.close()
+        get_settings.cache_clear()
+
+
 def test_executions_scheduled_inside_a_teams_task_go_through_the_teams_app(queue: str) -> None:
     """An engine built on agentruns' app (its first caller asked for none) sent the
     executions it scheduled in a team's worker to AGENTRUNS_QUEUE, which no worker of

@@ -162,7 +162,11 @@ class ToolCaller:
         try:
             outcome = _invoke(tool, arguments, ctx)
         except FatalToolError:
-            self._forget(begun)
+            if record is None:
+                self._forget(begun)
+            # Else the intent is an earlier attempt's too, whose outcome this one's failure
+            # does not tell: kept, a retry takes the call's outcome for unknown again (a
+            # person who approved this attempt approved it, not the next).
             raise
         recorded = outcome.output if not outcome.is_error else outcome.content
         self.store.finish_effect(self.run_id, self.epoch, begun, recorded, outcome.is_error)

@@ -398,6 +398,27 @@ def test_denying_a_call_again_whose_first_attempt_was_recorded_since_gives_its_r
     assert wait.output is not None and wait.output["approved"] is False  # what was answered
 
 
+def test_a_call_again_that_says_it_failed_leaves_the_first_attempts_outcome_unknown(
+    make_engine: EngineFactory, spawn: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The attempt a person approved after the crash raised FatalToolError, and the run
+    # failed: the intent deleted with it was the first attempt's too, so a retry took
+    # the call for never made and called it a third time, nobody asked.
+    rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, "unknown_approve")
+    assert rescuer.get_run(run.id).status is RunStatus.WAITING
+    monkeypatch.setenv("AGENTRUNS_TEST_FATAL", "charge")
+    rescuer.resume(rescuer.approval_token(run.id), approved=True)
+    assert rescuer.idle(20)
+    failed = rescuer.get_run(run.id)
+    assert failed.error is not None and failed.error.code == "fatal_tool_error"
+    monkeypatch.delenv("AGENTRUNS_TEST_FATAL")
+    rescuer.retry(run.id)
+    assert rescuer.idle(20)
+    waiting = rescuer.get_run(run.id)
+    assert waiting.status is RunStatus.WAITING  # asked again, not called a third time
+    assert len(charge_keys(helper)) == 2
+
+
 @pytest.mark.parametrize(
     ("agent", "approve_first"), [("unknown_approve", False), ("approved_ask", True)]
 )

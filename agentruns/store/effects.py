@@ -171,7 +171,8 @@ class Effects:
         tool raised ``FatalToolError``, saying the call failed, and the run fails with
         it. A retry of the run calls it again (with the same idempotency key), as it
         does a tool that is no effect, instead of taking its outcome for unknown. Not
-        an intent a later attempt made its own (the run's new holder's)."""
+        an intent a later attempt made its own (the run's new holder's); nor, by its
+        caller, one an earlier attempt left, whose outcome stays unknown."""
         with self._atomic.begin() as conn:
             conn.execute(
                 E.delete().where(

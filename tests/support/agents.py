@@ -4,7 +4,8 @@ Tools append lines to the file named by ``AGENTRUNS_TEST_LOG`` so a test can
 count calls across processes. ``AGENTRUNS_TEST_HANG`` names a tool that hangs
 in the process where it is set (so the test can kill it at that point);
 ``AGENTRUNS_TEST_PAUSE`` one that takes a second (so the test can stop it there),
-and ``AGENTRUNS_TEST_FAIL`` one that then raises.
+``AGENTRUNS_TEST_FAIL`` one that then raises, and ``AGENTRUNS_TEST_FATAL`` one that
+raises ``FatalToolError``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from agentruns import Agent, Budget, ToolContext, tool
+from agentruns import Agent, Budget, FatalToolError, ToolContext, tool
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.tools import Tool
 
@@ -37,6 +38,8 @@ def hang_here(name: str) -> None:
         time.sleep(1.0)
     if os.environ.get("AGENTRUNS_TEST_FAIL") == name:
         raise RuntimeError("gateway timeout: not charged")
+    if os.environ.get("AGENTRUNS_TEST_FATAL") == name:
+        raise FatalToolError("declined: nothing charged this time")
 
 
 @tool

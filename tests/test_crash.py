@@ -406,6 +406,7 @@ def test_a_call_again_that_says_it_failed_leaves_the_first_attempts_outcome_unkn
     # the call for never made and called it a third time, nobody asked.
     rescuer, run, helper = killed_inside_the_charge(make_engine, spawn, "unknown_approve")
     assert rescuer.get_run(run.id).status is RunStatus.WAITING
+    (first,) = rescuer.store.effects(run.id).values()
     monkeypatch.setenv("AGENTRUNS_TEST_FATAL", "charge")
     rescuer.resume(rescuer.approval_token(run.id), approved=True)
     assert rescuer.idle(20)
@@ -417,6 +418,17 @@ def test_a_call_again_that_says_it_failed_leaves_the_first_attempts_outcome_unkn
     waiting = rescuer.get_run(run.id)
     assert waiting.status is RunStatus.WAITING  # asked again, not called a third time
     assert len(charge_keys(helper)) == 2
+    # The intent is the first attempt's again: had its worker only been paused, its
+    # result, recorded as it goes on, is kept (it was refused, as a later attempt's
+    # was the one to keep), and the call is not made again.
+    with pytest.raises(LeaseLostError):
+        rescuer.store.finish_effect(run.id, 1, first, {"charged": 5}, False)
+    rescuer.resume(rescuer.approval_token(run.id), approved=True)
+    assert rescuer.idle(20)
+    assert rescuer.get_run(run.id).status is RunStatus.COMPLETED
+    assert len(charge_keys(helper)) == 2
+    charged = [s for s in rescuer.steps(run.id) if s.kind == "tool" and s.name == "charge_or_ask"]
+    assert charged[-1].output == {"charged": 5}
 
 
 @pytest.mark.parametrize(

@@ -166,22 +166,24 @@ class Effects:
                     )
                 time.sleep(pause)
 
-    def forget(self, run_id: str, begun: EffectRecord) -> None:
-        """Delete the intent ``begin`` recorded (``begun``), still without a result: its
+    def forget(self, run_id: str, begun: EffectRecord, earlier: EffectRecord | None) -> None:
+        """Forget the attempt ``begin`` recorded (``begun``), still without a result: its
         tool raised ``FatalToolError``, saying the call failed, and the run fails with
-        it. A retry of the run calls it again (with the same idempotency key), as it
-        does a tool that is no effect, instead of taking its outcome for unknown. Not
-        an intent a later attempt made its own (the run's new holder's); nor, by its
-        caller, one an earlier attempt left, whose outcome stays unknown."""
+        it. Its intent is deleted: a retry of the run calls it again (with the same
+        idempotency key), as it does a tool that is no effect, instead of taking its
+        outcome for unknown. But if an earlier attempt left the intent (``earlier``,
+        its outcome unknown), the intent is that attempt's again: its outcome stays
+        unknown, and its worker, if it lost the run and goes on, records its result
+        (deleted, a retry called a third time; left as this attempt's, that worker's
+        result was refused, and a person asked again about a call that had happened).
+        Not an intent a later attempt made its own (the run's new holder's)."""
+        mine = E.c.run_id == run_id, E.c.tool_call_id == begun.tool_call_id
+        this_attempt = (*mine, E.c.status == "started", E.c.started_at == begun.started_at)
         with self._atomic.begin() as conn:
-            conn.execute(
-                E.delete().where(
-                    E.c.run_id == run_id,
-                    E.c.tool_call_id == begun.tool_call_id,
-                    E.c.status == "started",
-                    E.c.started_at == begun.started_at,
-                )
-            )
+            if earlier is None:
+                conn.execute(E.delete().where(*this_attempt))
+            else:
+                conn.execute(E.update().where(*this_attempt).values(started_at=earlier.started_at))
 
 
 def _record(row: RowMapping) -> EffectRecord:

@@ -600,7 +600,13 @@ class Engine:
                 self._schedule_next(run.concurrency_key)
             return run
 
-    def retry(self, run_id: str, *, budget: Budget | dict[str, Any] | None = None) -> Run:
+    def retry(
+        self,
+        run_id: str,
+        *,
+        budget: Budget | dict[str, Any] | None = None,
+        request_id: str | None = None,
+    ) -> Run:
         """Queue a failed run again, to go on from its latest checkpoint: its saved model
         responses and tool results are kept and not repeated, and effect tools return
         their recorded results. ``budget`` replaces the limits it names in the budget the
@@ -609,17 +615,36 @@ class Engine:
         reply was lost) is scheduled again: a nudge, which its claim decides. Raises
         ``NotRetryableError`` for a run in any other status, for a queued one whose
         budget is not the one ``budget`` would give it, or if a later run of its thread
-        has started."""
+        has started.
+
+        ``request_id`` names the request (the ``agentruns.retry`` task gives its
+        message's id): a request that retried the run already, within a week, does not
+        again, whatever the run's status (it is returned as it is, and nudged if
+        queued). A message delivered again, after its worker died before it acked or
+        through an outage after a first try that went through, would otherwise queue
+        again a run that failed once more since, nobody asking."""
         run_id = intake.run_id(run_id)
+        if request_id is not None and not isinstance(request_id, str):
+            raise TypeError(f"request_id must be text, not {type(request_id).__name__}")
         with self._calling():
             before = self.store.get_run(run_id)  # its failure, said once it is cleared
             raised = None
             if budget is not None:
                 raised = intake.retried_budget(self._agents, before, budget)
             with self.events.writing(run_id):
-                run, retried = self.store.retry(run_id, raised)
+                run, retried = self.store.retry(run_id, raised, request_id)
                 if retried:
                     self.events.run_updated(run)
+            if not retried and request_id is not None and self.store.retried_by(run_id, request_id):
+                log.info(
+                    "run %s: retry %s queued it already (it is %s now): not again",
+                    run_id,
+                    request_id[:200],
+                    run.status.value,
+                )
+                if run.status is RunStatus.QUEUED:
+                    self.scheduler.schedule(run_id)
+                return run
             if not retried and run.status is not RunStatus.QUEUED:
                 raise NotRetryableError(run_id, self._why_not_retried(run))
             if not retried and raised is not None and run.budget != raised:

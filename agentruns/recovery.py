@@ -64,6 +64,7 @@ class Recovery:
         # The counts of losses of runs that got on or settled since (a table that
         # only recover writes to, and only for lost executions).
         host.store.forget_losses()
+        host.store.forget_retries()  # requests no message brings again this late
         return requeued
 
     def _requeue(self, ref: RunRef, now: datetime) -> bool:

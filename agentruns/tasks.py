@@ -463,9 +463,11 @@ def cancel(self: Any, run_id: str) -> dict[str, Any]:
 @_task("agentruns.retry")
 def retry(self: Any, run_id: str, budget: dict[str, Any] | None = None) -> dict[str, Any]:
     """Queue a failed run again, to go on from its latest checkpoint, ``budget``'s limits
-    replacing its own (``Engine.retry``)."""
+    replacing its own (``Engine.retry``). Once: the message delivered again (its worker
+    died before it acked, or it retried an outage after a first try that went
+    through) does not queue again a run that failed once more since."""
     with _retrying_outages(self):
-        run = _engine_or_give_back(self).retry(run_id, budget=budget)
+        run = _engine_or_give_back(self).retry(run_id, budget=budget, request_id=self.request.id)
     return _summary(run)
 
 

@@ -196,6 +196,7 @@ def engine(make_engine: EngineFactory, celery_app: Any) -> Engine:
             celery_agents.waiter,
             celery_agents.asker,
             celery_agents.self_approver,
+            celery_agents.decliner,
         ],
         scheduler=CeleryScheduler(celery_app),
         leases=RedisLeases(REDIS_URL),
@@ -649,6 +650,37 @@ def test_a_retry_task_takes_a_failed_run_on_in_a_worker(cluster: Cluster, engine
     retry.delay(run.id)  # completed now: refused once, not retried
     wait_for(lambda: "raised expected: NotRetryableError" in worker.output(), "the refusal")
     assert "Retry in" not in worker.output()
+
+
+def test_a_retry_message_delivered_again_does_not_retry_a_run_failed_since(
+    cluster: Cluster, engine: Engine
+) -> None:
+    # A retry message delivered again (its worker died before it acked, and Redis gave
+    # it back after the visibility timeout; or it retried an outage after a first try
+    # that went through) queued again a run that had failed once more since, nobody
+    # asking. Here the same message (its id) is sent again once the run failed again.
+    from agentruns.tasks import retry
+
+    (worker,) = cluster.workers("w1")
+    run = engine.dispatch("decliner", trigger({}))
+
+    def failed(calls: int) -> Run | None:
+        now = engine.get_run(run.id)
+        declined = len(cluster.tool_calls("decline", run.id))
+        return now if now.status is RunStatus.FAILED and declined == calls else None
+
+    wait_for(partial(failed, 1), "the run to fail")
+    message = f"retry-{uuid.uuid4()}"
+    retry.apply_async((run.id,), task_id=message)
+    wait_for(partial(failed, 2), "the retried run to fail again")
+    retry.apply_async((run.id,), task_id=message)
+    said = f"run {run.id}: retry {message} queued it already (it is failed now): not again"
+    wait_for(lambda: said in worker.output(), "the message delivered again to be taken")
+    time.sleep(0.5)  # a retry of the run would show by now
+    assert failed(2) is not None
+    # Another request (another message) retries it.
+    retry.apply_async((run.id,), task_id=f"retry-{uuid.uuid4()}")
+    wait_for(partial(failed, 3), "the run retried by another request to fail again")
 
 
 def test_a_hanging_notifier_holds_back_no_other_run_in_a_worker(

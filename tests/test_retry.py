@@ -23,6 +23,7 @@ from agentruns import (
 from agentruns.errors import InvalidTriggerError, NotRetryableError, UnknownAgentError
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.models.base import ModelError, ModelRequest, ModelResponse
+from agentruns.runs import utcnow
 from agentruns.schedulers import ManualScheduler
 from agentruns.store import schema
 from tests.conftest import EngineFactory, trigger
@@ -183,6 +184,63 @@ def test_two_retries_at_once_queue_the_run_once(make_engine: EngineFactory) -> N
     assert queued == [run.id]  # one of them queued it; the others nudged it
     assert engine.scheduler.scheduled == [run.id] * 4  # type: ignore[attr-defined]
     assert engine.execute(run.id).status is RunStatus.FAILED  # (still broken)
+
+
+def test_a_retry_request_queues_the_run_once_however_often_it_comes(
+    make_any_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The retry task's message delivered again (its worker died before it acked, or
+    # it retried an outage after a first try that went through) queued again a run
+    # that had failed once more since: a retry nobody asked for.
+    calls: list[str] = []
+
+    @tool
+    def broken() -> str:
+        calls.append("broken")
+        raise FatalToolError("no")
+
+    agent = Agent("a", ScriptedModel([tool_use("broken", {}), text("ok")]), tools=[broken])
+    engine = make_any_engine([agent], scheduler=ManualScheduler())
+    scheduled: list[str] = engine.scheduler.scheduled  # type: ignore[attr-defined]
+    run = engine.dispatch("a", trigger({}), schedule=False)
+    engine.execute(run.id)
+    long_one = "m" * 300 + "\x00"  # kept hashed: longer than the column, and a NUL
+    for request in ("m1", long_one):
+        assert engine.retry(run.id, request_id=request).status is RunStatus.QUEUED
+        assert engine.retry(run.id, request_id=request).status is RunStatus.QUEUED  # a nudge
+        assert scheduled[-2:] == [run.id, run.id]
+        assert engine.execute(run.id).status is RunStatus.FAILED
+        before = engine.get_run(run.id)
+        del scheduled[:]
+        with caplog.at_level("INFO", logger="agentruns"):
+            again = engine.retry(run.id, request_id=request)
+        assert again.status is RunStatus.FAILED and again.error is not None
+        assert engine.get_run(run.id) == before  # not queued again, nor touched
+        assert scheduled == []
+        assert f"retry {request[:200]} queued it already (it is failed now): not again" in caplog.text
+    assert calls == ["broken"] * 3
+    # A request of its own retries it; so does a caller that names none.
+    assert engine.retry(run.id, request_id="m2").status is RunStatus.QUEUED
+    assert engine.execute(run.id).status is RunStatus.FAILED
+    assert engine.retry(run.id).status is RunStatus.QUEUED
+    with pytest.raises(TypeError, match="request_id must be text"):
+        engine.retry(run.id, request_id=5)  # type: ignore[arg-type]
+
+
+def test_recover_forgets_retry_requests_a_week_old(make_any_engine: EngineFactory) -> None:
+    engine = make_any_engine([], scheduler=ManualScheduler())
+    retries = schema.retries
+    now = utcnow()
+    with engine.store.engine.begin() as conn:  # type: ignore[attr-defined]
+        conn.execute(
+            retries.insert(),
+            [
+                {"run_id": "r1", "request_id": "old", "at": now - timedelta(days=8)},
+                {"run_id": "r1", "request_id": "new", "at": now - timedelta(days=6)},
+            ],
+        )
+    engine.recover()
+    assert engine.store.retried_by("r1", "new") and not engine.store.retried_by("r1", "old")
 
 
 def test_a_run_retried_as_it_fails_goes_on_at_once(make_any_engine: EngineFactory) -> None:

@@ -10,7 +10,7 @@ from sqlalchemy.engine import Connection
 
 # Every revision in versions/, oldest first: a new migration adds its id here
 # (a test holds this to Alembic's own history).
-REVISIONS: tuple[str, ...] = ("0001", "0002", "0003", "0004")
+REVISIONS: tuple[str, ...] = ("0001", "0002", "0003", "0004", "0005")
 HEAD = REVISIONS[-1]
 # Where agentruns records a database's revision: a table of its own, so that an
 # application's Alembic can share the database (each would take the other's

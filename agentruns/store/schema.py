@@ -56,6 +56,11 @@ OWNER_LENGTH = 200
 # The most tokens of a kind a run's counter holds (a bigint, on SQLite too).
 MOST_TOKENS = 2**63 - 1
 
+# The longest request id a retry is known by (a Celery task id; longer are hashed).
+REQUEST_ID_LENGTH = 200
+# How long a retry's request is remembered, in days.
+RETRY_REQUEST_DAYS = 7
+
 # The longest agent name, in characters.
 AGENT_NAME_LENGTH = 200
 
@@ -193,6 +198,19 @@ crashes = sa.Table(
     # (the run got on meanwhile) starts the count again.
     sa.Column("at_step", sa.Integer, nullable=False),
     sa.Column("times", sa.Integer, nullable=False),
+)
+
+# The requests that retried a run (a retry task's message id): a message delivered
+# again (its worker died before it acked, or it was retried through an outage after
+# a first try that went through) does not queue again a run that failed once more
+# since. Rows are written only by retries, and kept a week (RETRY_REQUEST_DAYS).
+# A table of its own, as the crashes' is.
+retries = sa.Table(
+    "agentruns_retries",
+    metadata,
+    sa.Column("run_id", sa.String(64), primary_key=True),
+    sa.Column("request_id", sa.String(REQUEST_ID_LENGTH), primary_key=True),
+    sa.Column("at", TS, nullable=False, index=True),
 )
 
 effects = sa.Table(

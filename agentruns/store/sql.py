@@ -7,9 +7,10 @@ fragments both databases share (``queries.py``) and the read of a thread's histo
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterable, Sequence
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
@@ -68,6 +69,7 @@ R = schema.runs
 S = schema.steps
 E = schema.effects
 C = schema.crashes
+RQ = schema.retries
 # A run's count of losses, while it is at the step they were counted at.
 _LOST_AT_ITS_STEP = sa.and_(C.c.run_id == R.c.id, C.c.at_step == R.c.step_count)
 
@@ -503,14 +505,18 @@ class SqlStore:
             )
             return run_from_row(row if row is not None else self._require(conn, run_id))
 
-    def retry(self, run_id: str, budget: Budget | None = None) -> tuple[Run, bool]:
+    def retry(
+        self, run_id: str, budget: Budget | None = None, request_id: str | None = None
+    ) -> tuple[Run, bool]:
         """Queue a failed run again, as it stands (its checkpoint, steps, pending answers,
         effect records and usage kept; its budget replaced by ``budget`` if given): the
         run, and whether this retried it (False: it is not failed, or a later run of its
-        thread has started: it went on from the thread's runs before this one).
+        thread has started: it went on from the thread's runs before this one; or
+        ``request_id``, the request asking, retried it already: ``retried_by``).
 
         One statement decides: two retries queue the run once."""
         went_on = sa.exists(_started_after(R).with_only_columns(sa.literal(1)))
+        asked = () if request_id is None else (~_retried_by(run_id, request_id),)
         with self._atomic.begin() as conn:
             row = (
                 conn.execute(
@@ -519,6 +525,7 @@ class SqlStore:
                         R.c.id == run_id,
                         status_of_one == RunStatus.FAILED.value,
                         sa.or_(R.c.thread.is_(None), ~went_on),
+                        *asked,
                     )
                     .values(
                         status=RunStatus.QUEUED.value,
@@ -536,9 +543,28 @@ class SqlStore:
                 .mappings()
                 .first()
             )
-            if row is not None:
-                return run_from_row(row), True
-            return run_from_row(self._require(conn, run_id)), False
+            if row is None:
+                return run_from_row(self._require(conn, run_id)), False
+            if request_id is not None:
+                # The run's row is locked by the update: no other try of this request
+                # is between its check and this.
+                conn.execute(
+                    RQ.insert().values(run_id=run_id, request_id=_request(request_id), at=utcnow())
+                )
+            return run_from_row(row), True
+
+    def retried_by(self, run_id: str, request_id: str) -> bool:
+        """Whether the request ``request_id`` retried the run (in the last
+        ``RETRY_REQUEST_DAYS``)."""
+        with self._reads.connect() as conn:
+            return bool(conn.execute(sa.select(_retried_by(run_id, request_id))).scalar())
+
+    def forget_retries(self) -> int:
+        """Delete the retries' requests older than ``RETRY_REQUEST_DAYS`` (a message
+        is not delivered again that late); how many."""
+        long_ago = utcnow() - timedelta(days=schema.RETRY_REQUEST_DAYS)
+        with self.engine.begin() as conn:
+            return int(conn.execute(RQ.delete().where(RQ.c.at < long_ago)).rowcount or 0)
 
     def thread_went_on(self, run_id: str) -> str | None:
         """The first run of the run's thread created after it that has started, if any."""
@@ -735,3 +761,15 @@ def _readable(rows: Iterable[RowMapping]) -> list[Run]:
         except InvalidCheckpointError as exc:
             log.warning("skipped: %s", exc)
     return runs
+
+
+def _request(request_id: str) -> str:
+    """A retry's request id as it is kept: one longer than the column holds, or that the
+    database may not store as text (a NUL, a lone surrogate), hashed."""
+    if len(request_id) <= schema.REQUEST_ID_LENGTH and request_id.isprintable():
+        return request_id
+    return "sha256:" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
+
+
+def _retried_by(run_id: str, request_id: str) -> sa.Exists:
+    return sa.exists().where(RQ.c.run_id == run_id, RQ.c.request_id == _request(request_id))

@@ -13,7 +13,7 @@ import os
 import time
 from typing import Any
 
-from agentruns import Agent, Budget, ToolContext, tool
+from agentruns import Agent, Budget, FatalToolError, ToolContext, tool
 from agentruns.models import ScriptedModel, text, tool_use
 
 LATENCY = float(os.environ.get("AGENTRUNS_TEST_LATENCY", "0.4"))
@@ -140,3 +140,13 @@ self_approver = Agent(
     tools=[publish],
     notifier=approving_notifier,
 )
+
+
+@tool
+def decline(ctx: ToolContext) -> str:
+    """A call the far side always declines: the run fails on it, however often retried."""
+    log(f"decline {ctx.run.id}")
+    raise FatalToolError("declined")
+
+
+decliner = Agent("decliner", ScriptedModel([tool_use("decline", {}), text("Never.")]), tools=[decline])

@@ -1,0 +1,34 @@
+"""The requests that retried a run are kept a week: a retry message delivered again
+(its worker died before it acked, or it was retried through an outage after a first
+try that went through) does not queue again a run that failed once more since.
+
+A table of its own, so workers of the release before keep working beside it.
+
+Revision ID: 0005
+Revises: 0004
+Create Date: 2026-12-05
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0005"
+down_revision = "0004"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.create_table(
+        "agentruns_retries",
+        sa.Column("run_id", sa.String(64), primary_key=True),
+        sa.Column("request_id", sa.String(200), primary_key=True),
+        sa.Column("at", sa.DateTime(timezone=True), nullable=False),
+    )
+    op.create_index("ix_agentruns_retries_at", "agentruns_retries", ["at"])
+
+
+def downgrade() -> None:
+    op.drop_table("agentruns_retries")

@@ -217,7 +217,8 @@ def test_a_retry_request_queues_the_run_once_however_often_it_comes(
         assert again.status is RunStatus.FAILED and again.error is not None
         assert engine.get_run(run.id) == before  # not queued again, nor touched
         assert scheduled == []
-        assert f"retry {request[:200]} queued it already (it is failed now): not again" in caplog.text
+        said = f"retry {request[:200]} queued it already (it is failed now): not again"
+        assert said in caplog.text
     assert calls == ["broken"] * 3
     # A request of its own retries it; so does a caller that names none.
     assert engine.retry(run.id, request_id="m2").status is RunStatus.QUEUED

@@ -149,4 +149,6 @@ def decline(ctx: ToolContext) -> str:
     raise FatalToolError("declined")
 
 
-decliner = Agent("decliner", ScriptedModel([tool_use("decline", {}), text("Never.")]), tools=[decline])
+decliner = Agent(
+    "decliner", ScriptedModel([tool_use("decline", {}), text("Never.")]), tools=[decline]
+)

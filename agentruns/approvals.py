@@ -189,11 +189,21 @@ class Approvals:
         record = self.engine.store.effects(run_id).get(tool_call_id)
         return record is not None and record.done
 
-    def token(self, run: Run) -> str:
-        """The current resume token of a waiting run, minted again (for an operator)."""
+    def token(self, run: Run, approval_id: str | None = None) -> str:
+        """The current resume token of a waiting run, minted again (for an operator);
+        refused as ``stale`` unless it waits on ``approval_id``, if given: the one the
+        operator looked at was answered meanwhile, and the run asks another."""
         if run.status is not RunStatus.WAITING or run.waiting is None:
             raise AgentrunsError(f"run {run.id} is {run.status.value}, not waiting on an approval")
-        return tokens.mint(self.engine.secret, run.id, run.waiting)
+        wait = run.waiting
+        if approval_id is not None and wait.approval_id != approval_id:
+            raise InvalidTokenError(
+                "stale",
+                f"run {run.id} waits on approval {wait.approval_id} now (of a"
+                f" {wait.tool_name} call), not on {approval_id}: that one was answered;"
+                " look at the run again",
+            )
+        return tokens.mint(self.engine.secret, run.id, wait)
 
     def tick(self, wait: bool) -> None:
         """Deny approvals past their expiry; re-send notifications that did not go through

@@ -578,9 +578,14 @@ class Engine:
         with self._calling():
             return self._approvals.resume(token, approved=approved, reason=reason)
 
-    def approval_token(self, run_id: str) -> str:
-        """Mint the current resume token of a waiting run again (for an operator)."""
-        return self._approvals.token(self.store.get_run(intake.run_id(run_id)))
+    def approval_token(self, run_id: str, *, approval_id: str | None = None) -> str:
+        """Mint the current resume token of a waiting run again (for an operator). With
+        ``approval_id`` (the ``waiting.approval_id`` the operator looked at), refused
+        (``InvalidTokenError``, ``stale``) if the run waits on another approval now:
+        the one looked at was answered meanwhile, and the answer is not the new one's."""
+        if approval_id is not None and not isinstance(approval_id, str):
+            raise TypeError(f"approval_id must be text, not {type(approval_id).__name__}")
+        return self._approvals.token(self.store.get_run(intake.run_id(run_id)), approval_id)
 
     # -- control -------------------------------------------------------------------------------
 

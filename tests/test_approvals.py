@@ -824,6 +824,43 @@ def test_two_approvals_in_one_step_pause_one_at_a_time_and_the_model_is_called_t
     assert checkpoint is not None and checkpoint.step_index == 1
 
 
+def test_an_operators_answer_to_an_approval_answered_meanwhile_is_not_taken_for_the_next(
+    make_engine: EngineFactory, calls: Calls
+) -> None:
+    # Two operators looked at a run waiting on the first of two approvals; one approved
+    # it, and the other's answer by the run's id answered the second, which nobody had
+    # seen. Pinned to the approval looked at, it is refused.
+    model = ScriptedModel(
+        [
+            [
+                tool_use("post_comment", {"issue": "1", "body": "a"}),
+                tool_use("post_comment", {"issue": "2", "body": "b"}),
+            ],
+            text("Both handled."),
+        ]
+    )
+    engine = make_engine([Agent("triage", model, tools=tracker_tools(calls))])
+    run = wait_until_waiting(engine, engine.dispatch("triage", trigger({})).id)
+    assert run.waiting is not None
+    seen = run.waiting.approval_id
+    engine.resume(engine.approval_token(run.id, approval_id=seen), approved=True)
+    run = wait_until_waiting(engine, run.id)
+    assert run.waiting is not None and run.waiting.approval_id != seen
+    with pytest.raises(InvalidTokenError) as refused:
+        engine.approval_token(run.id, approval_id=seen)
+    assert refused.value.reason == "stale"
+    said = f"waits on approval {run.waiting.approval_id} now (of a post_comment call), not on"
+    assert said in str(refused.value)
+    assert engine.get_run(run.id).waiting == run.waiting  # unanswered
+    assert calls.names() == ["post_comment"]
+    with pytest.raises(TypeError, match="approval_id must be text"):
+        engine.approval_token(run.id, approval_id=5)  # type: ignore[arg-type]
+    token = engine.approval_token(run.id, approval_id=run.waiting.approval_id)
+    engine.resume(token, approved=True)
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+
+
 def test_a_callable_needs_approval_pauses_only_when_it_says_so(
     make_engine: EngineFactory, calls: Calls
 ) -> None:

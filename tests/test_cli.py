@@ -666,6 +666,20 @@ def test_bad_tokens_say_why_and_change_nothing(cli: Cli) -> None:
     assert "is completed, not waiting" in cli.fails(2, "approve", "--run", run_id)
 
 
+def test_approve_by_run_pinned_to_an_approval_refuses_another(cli: Cli) -> None:
+    # An operator answering by the run's id answered whatever it waited on by then,
+    # which may be an approval another operator's answer led to, not the one shown.
+    run_id, _ = cli.waiting_run()
+    approval = cli.json("show", run_id)["run"]["waiting"]["approval_id"]
+    shown = cli("show", run_id)[1]
+    assert f"answer: agentruns approve --run {run_id} --approval {approval}  (or deny)" in shown
+    said = cli.fails(2, "approve", "--run", run_id, "--approval", "0" * 32)
+    assert f"(stale): run {run_id} waits on approval {approval} now" in said
+    assert cli.json("show", run_id)["run"]["status"] == "waiting"
+    assert "--approval goes with --run" in cli.fails(2, "deny", "x.y", "--approval", approval)
+    assert "completed" in cli("approve", "--run", run_id, "--approval", approval)[1]
+
+
 def test_approve_needs_exactly_one_of_token_and_run(cli: Cli) -> None:
     assert "give either a TOKEN or --run RUN" in cli.fails(2, "approve")
     assert "give either a TOKEN or --run RUN" in cli.fails(2, "deny", "tok", "--run", "r")

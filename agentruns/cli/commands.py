@@ -102,6 +102,10 @@ def cmd_answer(session: Session, args: argparse.Namespace) -> int:
     approved = args.command == "approve"
     if (args.token is None) == (args.run is None):
         raise CliError(f"{args.command}: give either a TOKEN or --run RUN", BAD_INPUT)
+    if args.approval is not None and args.run is None:
+        raise CliError(
+            f"{args.command}: --approval goes with --run (a token names its own)", BAD_INPUT
+        )
     engine = session.engine()
     if args.token is None:
         run = engine.get_run(args.run)
@@ -115,7 +119,7 @@ def cmd_answer(session: Session, args: argparse.Namespace) -> int:
     elif args.token is not None:
         token = args.token.strip()
     else:
-        token = engine.approval_token(args.run)
+        token = engine.approval_token(args.run, approval_id=args.approval)
     session.follow()
     run = engine.resume(token, approved=approved, reason=args.reason)
     asked = next((s for s in reversed(engine.steps(run.id)) if s.kind == "wait"), None)
@@ -281,9 +285,9 @@ def _report_run(session: Session, run: Run) -> int:
         session.say(render.run_line(run))
     if token is not None:
         session.say(f"  approve: agentruns approve {token}")
-        session.say(f"  or:      agentruns approve --run {run.id}   /   deny --run {run.id}")
+        session.say(f"  or:      {render.answer_by_run(run)}")
     elif run.status is RunStatus.WAITING:
-        session.say(f"  answer:  agentruns approve --run {run.id}   /   deny --run {run.id}")
+        session.say(f"  answer:  {render.answer_by_run(run)}")
         session.say("  (AGENTRUNS_SECRET is unset, so no token is given: one would work only here)")
     return 0
 

@@ -100,6 +100,11 @@ def build() -> Parser:
             help="the resume token; - reads it from stdin (out of ps and shell history)",
         )
         p.add_argument("--run", metavar="RUN", help="mint the run's current token with the secret")
+        p.add_argument(
+            "--approval",
+            metavar="ID",
+            help="with --run: only if it still waits on this approval (`show` gives its id)",
+        )
         p.add_argument("--reason", help="recorded in the wait step; a denial tells the model")
 
     p = command("cancel", "cancel a run", commands.cmd_cancel)

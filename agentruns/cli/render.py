@@ -55,6 +55,14 @@ def short(value: Any, width: int = 60) -> str:
     return body if len(body) <= width else body[: width - 3] + "..."
 
 
+def answer_by_run(run: Run) -> str:
+    """The command that answers a waiting run by its id, pinned to its approval: given
+    after another operator answered that one, it is refused, not taken for the run's
+    next approval, which its operator has not seen."""
+    pinned = f" --approval {run.waiting.approval_id}" if run.waiting is not None else ""
+    return f"agentruns approve --run {run.id}{pinned}  (or deny)"
+
+
 def tokens(run: Run) -> str:
     return used_tokens(run.usage.model_dump())
 
@@ -174,7 +182,7 @@ def header(
         wait = run.waiting
         lines.append(f"waiting   {wait.tool_name}({short(wait.input, 60)})")
         lines.append(f"          expires {clock(wait.expires_at, date=True)}")
-        lines.append(f"          answer: agentruns approve --run {run.id}  (or deny)")
+        lines.append(f"          answer: {answer_by_run(run)}")
     if run.claim is not None:
         line = f"claim     {run.claim.owner} until {clock(run.claim.expires_at)}"
         if run.status is RunStatus.RUNNING and run.claim.expires_at < utcnow():

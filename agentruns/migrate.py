@@ -39,7 +39,7 @@ def migrate(url: str, lock_timeout: float = LOCK_TIMEOUT_S) -> str | None:
     On Postgres, a table lock a migration needs is waited for ``lock_timeout``
     seconds at most: while it waits, every write to that table waits behind it (a
     worker's too). Past that, nothing has changed, and ``AgentrunsError`` says so."""
-    engine = make_engine(url)
+    engine = make_engine(url, create=True)
     try:
         with engine.begin() as conn:
             if conn.dialect.name == "postgresql":

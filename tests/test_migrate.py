@@ -14,7 +14,7 @@ import pytest
 import sqlalchemy as sa
 
 from agentruns import Agent, Engine, RunStatus, SqlStore
-from agentruns.errors import AgentrunsError, NotMigratedError
+from agentruns.errors import AgentrunsError, NotMigratedError, RunNotFoundError
 from agentruns.migrate import migrate
 from agentruns.migrations import (
     HEAD,
@@ -78,6 +78,23 @@ def test_an_engine_on_a_sqlite_file_that_does_not_exist_leaves_none_behind(
     with pytest.raises(NotMigratedError, match="not migrated"):
         memory.check_schema()
     memory.close()
+
+
+def test_a_store_used_bare_on_a_sqlite_file_that_does_not_exist_leaves_none_behind(
+    tmp_path: Path,
+) -> None:
+    # SqlStore(url) used without an engine (its schema not checked) created the empty
+    # file at its first statement, and said "no such table: agentruns_runs".
+    path = tmp_path / "typo.db"
+    store = SqlStore(f"sqlite:///{path}")
+    for use in (lambda: store.get_run("x"), lambda: store.list_runs()):
+        with pytest.raises(NotMigratedError, match="does not exist: run `agentruns migrate`"):
+            use()
+    assert not path.exists()
+    store.migrate()  # which creates it
+    with pytest.raises(RunNotFoundError):
+        store.get_run("x")
+    store.close()
 
 
 def test_an_engine_refused_by_the_schema_leaves_no_connection_open(

@@ -12,7 +12,7 @@ import sqlalchemy as sa
 from psycopg.pq import ConnStatus, ExecStatus, TransactionStatus
 from sqlalchemy.engine import Connection, Engine
 
-from agentruns.errors import AgentrunsError
+from agentruns.errors import AgentrunsError, NotMigratedError
 
 # One encoder for every write: json.dumps with options builds a new one per call.
 _ENCODER = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)
@@ -106,32 +106,47 @@ def shown_url(url: str | sa.URL) -> str:
     return parsed.set(query=hidden).render_as_string(hide_password=True)
 
 
-def make_engine(url: str, **kwargs: Any) -> Engine:
+def make_engine(url: str, *, create: bool = False, **kwargs: Any) -> Engine:
     """A SQLAlchemy engine with compact JSON and, for SQLite, safe concurrent writes.
     Statements' parameters stay out of its errors: they hold triggers' payloads and
-    transcripts, and errors reach logs, ``on_error`` and Celery's task events."""
+    transcripts, and errors reach logs, ``on_error`` and Celery's task events.
+
+    A SQLite file that does not exist is created only if ``create`` (``migrate``):
+    else opening it raises ``NotMigratedError``, and leaves no empty file behind (a
+    typo's, which ``migrate`` would then take for the database meant)."""
     kwargs.setdefault("hide_parameters", True)
-    engine = _make_engine(url, **kwargs)
+    engine = _make_engine(url, create, **kwargs)
     _ENGINES.add(engine)
     return engine
 
 
-def _make_engine(url: str, **kwargs: Any) -> Engine:
+def _make_engine(url: str, create: bool, **kwargs: Any) -> Engine:
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url[len("postgresql://") :]
     _check_supported(url)
     if url.startswith("sqlite"):
-        return _sqlite_engine(url, **kwargs)
+        return _sqlite_engine(url, create, **kwargs)
     return _postgres_engine(url, **kwargs)
 
 
-def _sqlite_engine(url: str, **kwargs: Any) -> Engine:
+def _sqlite_engine(url: str, create: bool, **kwargs: Any) -> Engine:
     engine = sa.create_engine(
         url,
         json_serializer=dumps,
         connect_args={"check_same_thread": False, "timeout": 30},
         **kwargs,
     )
+
+    if not create:
+
+        @sa.event.listens_for(engine, "do_connect")
+        def _refuse_to_create(*_: Any) -> None:
+            missing = missing_sqlite_file(url)
+            if missing is not None:
+                raise NotMigratedError(
+                    f"the database {shown_url(url)} does not exist: run `agentruns migrate`"
+                    " to create it (or check its URL)"
+                )
 
     @sa.event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:

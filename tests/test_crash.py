@@ -421,7 +421,7 @@ def test_a_call_again_that_says_it_failed_leaves_the_first_attempts_outcome_unkn
     # The intent is the first attempt's again: had its worker only been paused, its
     # result, recorded as it goes on, is kept (it was refused, as a later attempt's
     # was the one to keep), and the call is not made again.
-    with pytest.raises(LeaseLostError):
+    with pytest.raises(LeaseLostError, match="the call's result is recorded"):
         rescuer.store.finish_effect(run.id, 1, first, {"charged": 5}, False)
     rescuer.resume(rescuer.approval_token(run.id), approved=True)
     assert rescuer.idle(20)

@@ -119,8 +119,11 @@ def test_an_effects_result_from_an_execution_that_lost_the_run_is_kept_if_it_is_
         assert not again.done and again.started_at not in (None, first.started_at)
         if holder == "done":
             store.finish_effect(run.id, holds.epoch, again, "the holder's", False)
-    with pytest.raises(LeaseLostError):
+    with pytest.raises(LeaseLostError) as lost:
         store.finish_effect(run.id, stale.epoch, first, "gateway timeout", True)
+    # The worker's log says what became of the result ("lost the claim" alone did not).
+    said = "the call's result is recorded" if holder == "none" else "its result is not recorded"
+    assert f"while its effect call toolu_1 (charge) ran: {said}" in str(lost.value)
     record = store.effects(run.id)["toolu_1"]
     assert (record.done, record.result) == {
         "none": (True, "gateway timeout"),  # the last attempt begun: its outcome

@@ -140,13 +140,13 @@ class Effects:
                     )
                     if not holds:  # see above
                         record = record.where(E.c.status == "started", E.c.started_at == attempt)
-                    conn.execute(
+                    recorded = conn.execute(
                         record.values(
                             status="done", result=result, is_error=is_error, finished_at=utcnow()
                         )
-                    )
+                    ).rowcount
                 if not holds:
-                    raise LeaseLostError(run_id)
+                    raise LeaseLostError(run_id, _late(run_id, begun, bool(recorded)))
                 return
             except DATABASE_OUTAGE as exc:
                 # Bounded: a silent server (each try waiting out its timeout) would
@@ -184,6 +184,21 @@ class Effects:
                 conn.execute(E.delete().where(*this_attempt))
             else:
                 conn.execute(E.update().where(*this_attempt).values(started_at=earlier.started_at))
+
+
+def _late(run_id: str, begun: EffectRecord, recorded: bool) -> str:
+    """What became of the result of an effect call its execution finished after losing
+    the run (said in the worker's log: "lost the claim" alone left a reader to guess)."""
+    call = f"effect call {begun.tool_call_id} ({begun.tool_name})"
+    if recorded:
+        return (
+            f"lost the claim on run {run_id} while its {call} ran: the call's result is"
+            " recorded, for the run's holder to return instead of calling again"
+        )
+    return (
+        f"lost the claim on run {run_id} while its {call} ran: its result is not recorded,"
+        " since the run's holder made the call again (that attempt's outcome is kept)"
+    )
 
 
 def _record(row: RowMapping) -> EffectRecord:

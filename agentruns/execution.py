@@ -369,8 +369,9 @@ class Execution:
         self._step_started = utcnow()
         try:
             response = self.agent.model.complete(request, self.signal)
-        except ModelAborted:
-            self._check_abort()
+        except ModelAborted as exc:
+            # What the provider counted before the call was stopped counts too.
+            self._check_abort(getattr(exc, "usage", None))
             raise
         except ModelError as exc:
             self._fail_model(exception_text(exc, typed=False), exc.usage)
@@ -656,13 +657,15 @@ class Execution:
             self.engine.published(committed)
         return self.run
 
-    def _check_abort(self) -> None:
+    def _check_abort(self, usage: Usage | None = None) -> None:
         if not self.signal.is_set() or self.reason is None:
             return
         if self.reason is Abort.LEASE_LOST:
             raise LeaseLostError(self.run.id)
         status, error = self._aborted_as()
-        self._settle(status, error=error)
+        if replies.uncountable(self.run.usage, usage):
+            usage = None
+        self._settle(status, error=error, usage=usage)
 
     def _aborted_as(self) -> tuple[RunStatus, RunError | None]:
         """How an execution aborted for ``self.reason`` (not a lost lease) settles."""

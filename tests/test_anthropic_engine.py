@@ -385,7 +385,7 @@ def test_a_reply_cut_off_inside_a_tool_call_fails_and_stores_no_unanswered_tool_
 def test_cancel_from_another_engine_during_a_slow_stream_settles_within_a_second(
     make_engine: EngineFactory, fake: FakeAnthropic, errors: Errors
 ) -> None:
-    fake.push(slow(30.0, reply(text("too late"))))
+    fake.push(slow(30.0, reply(text("too late"), usage=usage(1500, 40, cache_read=700))))
     agent = triage_agent(fake)
     # A long lease: its renewal (every lease_ttl/3) can't be what delivers the cancel.
     owner = make_engine([agent], lease_ttl=30.0)
@@ -394,7 +394,7 @@ def test_cancel_from_another_engine_during_a_slow_stream_settles_within_a_second
     run = owner.dispatch("triage", trigger({"issue": 7}))
     [stalled] = fake.wait_for_requests(1)
     assert stalled.stalled.wait(5)  # message_start sent, then the server says nothing
-    time.sleep(0.1)
+    time.sleep(0.5)  # for the client to read it (its usage)
 
     asked = time.monotonic()
     assert other.cancel(run.id).cancel_requested
@@ -409,6 +409,9 @@ def test_cancel_from_another_engine_during_a_slow_stream_settles_within_a_second
     assert owner.idle(5)
     cancelled = other.get_run(run.id)
     assert cancelled.claim is None and cancelled.output is None
+    # What the provider counted before the hang-up (message_start's usage) counts: the
+    # run's usage said nothing of a call that was billed.
+    assert cancelled.usage == Usage(input_tokens=1500, output_tokens=1, cache_read_input_tokens=700)
     assert owner.steps(run.id) == []
     assert len(fake.requests) == 1  # an abort is not retried
     assert errors == []

@@ -8,6 +8,7 @@ parsing, error classes, headers) is the real thing.
 from __future__ import annotations
 
 import json
+import pickle
 import socket
 import threading
 import time
@@ -653,6 +654,36 @@ def test_abort_during_a_slow_stream_raises_within_half_a_second(fake: FakeAnthro
     assert isinstance(outcome.get("error"), ModelAborted)
     assert outcome["done_at"] - set_at < 0.5
     assert stalled.disconnected.wait(1)  # the HTTP response was closed, not left hanging
+
+
+def test_an_aborted_call_carries_what_the_provider_counted_before_the_hang_up(
+    fake: FakeAnthropic,
+) -> None:
+    # A cancelled or timed-out run's usage left out the call it stopped, billed for its
+    # paused turns, its input, and what had streamed of its output.
+    paused = reply(text("Searching..."), stop_reason="pause_turn", usage=usage(5000, 300))
+    fake.push(paused, slow(30.0, reply(text("late"), usage=usage(3000, 50, cache_read=900))))
+    signal = threading.Event()
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            make_model(fake).complete(request(), signal)
+        except BaseException as exc:
+            outcome["error"] = exc
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    [_, stalled] = fake.wait_for_requests(2)
+    assert stalled.stalled.wait(5)  # message_start (its usage) sent, then nothing
+    time.sleep(0.5)  # for the client to read it
+    signal.set()
+    caller.join(timeout=5)
+    aborted = outcome.get("error")
+    assert isinstance(aborted, ModelAborted)
+    # message_start says the input, and one output token so far.
+    assert aborted.usage == Usage(input_tokens=8000, output_tokens=301, cache_read_input_tokens=900)
+    assert pickle.loads(pickle.dumps(aborted)).usage == aborted.usage
 
 
 def test_a_time_limit_during_a_stream_hangs_up_on_it(fake: FakeAnthropic) -> None:

@@ -25,7 +25,18 @@ class ModelError(Exception):
 
 
 class ModelAborted(Exception):
-    """The call was stopped because the execution's abort signal was set."""
+    """The call was stopped because the execution's abort signal was set.
+
+    ``usage`` is what the provider counted for the call before it was stopped (its
+    paused turns, the part of a reply that had streamed, or a reply that arrived as it
+    was stopped): a cancelled, drained or timed-out run's usage includes it."""
+
+    def __init__(self, message: str, usage: Usage | None = None) -> None:
+        super().__init__(message)
+        self.usage = usage
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return rebuilt, (type(self), self.args, dict(self.__dict__))  # with its usage
 
 
 @dataclass(frozen=True)

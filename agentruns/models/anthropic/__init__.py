@@ -138,6 +138,10 @@ class AnthropicModel:
                 # The paused turns before it were answered, and counted by the provider.
                 exc.usage = usage + (exc.usage or Usage())
                 raise
+            except ModelAborted as exc:
+                # So were they, and what had streamed of this turn (or all of it).
+                exc.usage = usage + _aborted_usage(exc)
+                raise
             # Sent back in the continuation: a blank text block would be refused there.
             raw += [b for b in map(_dumped, message.content) if not _blank_text(b)]
             content += _content(message)
@@ -338,12 +342,27 @@ def _content(message: Message) -> list[dict[str, Any]]:
     return blocks
 
 
+def _aborted_usage(exc: ModelAborted) -> Usage:
+    """What the provider had counted for a call stopped by the abort signal."""
+    counted = getattr(exc, "counted", None)
+    if counted is None:
+        return Usage()
+    try:
+        return _counts(counted)
+    except ModelError:  # a count that is no count: none taken (the run is stopping)
+        return Usage()
+
+
 def _usage(message: Message) -> Usage:
+    return _counts(message.usage)
+
+
+def _counts(usage: Any) -> Usage:
     # The SDK builds the message unchecked: a count a gateway leaves out is missing,
     # and one it sends may be any JSON.
     counts: dict[str, int] = {}
     for name in Usage.model_fields:
-        count = getattr(message.usage, name, None) or 0
+        count = getattr(usage, name, None) or 0
         if isinstance(count, float) and count.is_integer():
             count = int(count)
         elif isinstance(count, str) and count.isascii() and count.isdigit():

@@ -51,6 +51,15 @@ class CutInput(Exception):
         self.message = message
 
 
+class StreamAborted(ModelAborted):
+    """The stream was stopped by the abort signal; ``counted`` is the usage the
+    provider had sent for it by then (the SDK's, unchecked), if any."""
+
+    def __init__(self, message: str, counted: Any = None) -> None:
+        super().__init__(message)
+        self.counted = counted
+
+
 class _Stream:
     """One streamed request on a helper thread that the caller can abandon."""
 
@@ -62,6 +71,9 @@ class _Stream:
         self._lock = threading.Lock()
         self._response: httpx2.Response | None = None
         self._aborted = False
+        # The usage the provider has counted so far (message_start's, then each
+        # message_delta's): what an aborted call is billed for.
+        self.counted: Any = None
 
     def run(self, client: anthropic.Anthropic, params: dict[str, Any]) -> None:
         try:
@@ -82,6 +94,8 @@ class _Stream:
                         if self._aborted:
                             return
                         stopped = stopped or event.type == "message_stop"
+                        if event.type in ("message_start", "message_delta"):
+                            self.counted = stream.current_message_snapshot.usage
                         if (
                             event.type == "content_block_delta"
                             and event.delta.type == "input_json_delta"
@@ -150,14 +164,16 @@ def stream_once(
     try:
         while not attempt.done.wait(_POLL_S):
             if signal.is_set():
-                raise ModelAborted("aborted during the model call")
-    except BaseException:
+                raise StreamAborted("aborted during the model call")
+    except BaseException as exc:
         # Aborted, or stopped where it waits (a worker's time limit, a signal): the
         # request is hung up on, not left streaming (and billed) behind it.
         attempt.abort()
+        if isinstance(exc, StreamAborted):
+            exc.counted = attempt.counted
         raise
     if signal.is_set():
-        raise ModelAborted("aborted during the model call")
+        raise StreamAborted("aborted during the model call", attempt.counted)
     if attempt.error is not None:
         raise attempt.error
     assert attempt.message is not None

@@ -15,10 +15,11 @@ from typing import Any
 
 import pytest
 
-from agentruns import Engine, LeaseLostError, Run, RunStatus
+from agentruns import Engine, FatalToolError, LeaseLostError, Run, RunStatus
 from agentruns.runs import utcnow
 from agentruns.schedulers import ManualScheduler
 from tests.conftest import EngineFactory, trigger, wait_for
+from tests.support import agents
 from tests.support.agents import AGENTS, STEPS, steps_agent
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -258,6 +259,34 @@ def test_an_effect_call_a_stopped_owner_finished_is_recorded_and_not_made_again(
     assert len(charges) == 1, charges
     tool_steps = [s for s in rescuer.steps(run.id) if s.kind == "tool"]
     assert tool_steps[0].output == {"charged": 5, "key": charges[0].split()[1]}
+
+
+def test_a_stopped_owners_late_charge_is_kept_when_the_call_made_again_says_it_failed(
+    make_engine: EngineFactory, spawn: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The paused worker went on while the run's new holder called again, and charged:
+    # its result was refused (a later attempt was under way), that attempt then raised
+    # FatalToolError and handed the intent back to the first, whose result was gone.
+    # A retry of the run charged a third time.
+    rescuer, run, first = stopped_inside_the_charge(make_engine, spawn)
+
+    def goes_on_meanwhile_then_declines(name: str) -> None:
+        first.proc.send_signal(signal.SIGCONT)
+        assert first.proc.wait(timeout=20) == 0  # its charge recorded, or refused
+        raise FatalToolError("declined: a charge with this key is under way")
+
+    calls_as_it_does = agents.hang_here
+    monkeypatch.setattr(agents, "hang_here", goes_on_meanwhile_then_declines)
+    failed = rescuer.execute(run.id)
+    assert failed.error is not None and failed.error.code == "fatal_tool_error"
+    assert "error LeaseLostError" in first.lines()
+    monkeypatch.setattr(agents, "hang_here", calls_as_it_does)
+    rescuer.retry(run.id)
+    assert rescuer.execute(run.id).status is RunStatus.COMPLETED
+    charges = charge_keys(first)
+    assert len(charges) == 2 and charges[0] == charges[1]  # not a third time
+    charged = [s for s in rescuer.steps(run.id) if s.kind == "tool" and s.name == "charge"]
+    assert charged[-1].output == {"charged": 5, "key": charges[0]}  # the first's
 
 
 def test_a_stopped_owners_effect_outcome_does_not_stand_for_a_later_attempts(

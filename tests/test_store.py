@@ -98,13 +98,15 @@ def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url:
 
 
 @pytest.mark.parametrize("url", ["db_url", "sqlite_url"])
-@pytest.mark.parametrize("holder", ["none", "calling", "done"])
+@pytest.mark.parametrize("holder", ["none", "calling", "calling, late success", "done"])
 def test_an_effects_result_from_an_execution_that_lost_the_run_is_kept_if_it_is_the_last(
     request: pytest.FixtureRequest, url: str, holder: str
 ) -> None:
     # The call happened: its result is recorded (and LeaseLostError raised), unless
     # the run's new holder called again since: that attempt's outcome is the one to
     # keep (the paused one's error was kept over a holder's payment that went through).
+    # While that call is under way, a late success is recorded (if the holder's call
+    # then says it failed, a retry called a third time), not a late error.
     store = SqlStore(request.getfixturevalue(url))
     run, _ = store.create_run(new_run())
     stale = store.claim(run.id, "paused", utcnow() - timedelta(seconds=1))
@@ -119,17 +121,25 @@ def test_an_effects_result_from_an_execution_that_lost_the_run_is_kept_if_it_is_
         assert not again.done and again.started_at not in (None, first.started_at)
         if holder == "done":
             store.finish_effect(run.id, holds.epoch, again, "the holder's", False)
+    late = ("charged", False) if "success" in holder else ("gateway timeout", True)
     with pytest.raises(LeaseLostError) as lost:
-        store.finish_effect(run.id, stale.epoch, first, "gateway timeout", True)
+        store.finish_effect(run.id, stale.epoch, first, *late)
+    kept = holder in ("none", "calling, late success")
     # The worker's log says what became of the result ("lost the claim" alone did not).
-    said = "the call's result is recorded" if holder == "none" else "its result is not recorded"
+    said = "the call's result is recorded" if kept else "its result is not recorded"
     assert f"while its effect call toolu_1 (charge) ran: {said}" in str(lost.value)
     record = store.effects(run.id)["toolu_1"]
     assert (record.done, record.result) == {
         "none": (True, "gateway timeout"),  # the last attempt begun: its outcome
         "calling": (False, None),  # the holder's call is under way: not the paused one's
+        "calling, late success": (True, "charged"),  # the call happened
         "done": (True, "the holder's"),
     }[holder]
+    if holder == "calling, late success":
+        # The holder's outcome, when it comes, is the one kept.
+        store.finish_effect(run.id, holds.epoch, again, "declined: a duplicate", True)
+        record = store.effects(run.id)["toolu_1"]
+        assert (record.done, record.result) == (True, "declined: a duplicate")
     if holder == "none":
         # The holder, about to call again, begins: it finds the result, and calls not.
         begun = store.begin_effect(run.id, holds.epoch, "toolu_1", "charge", "key")

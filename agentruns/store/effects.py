@@ -124,10 +124,13 @@ class Effects:
         An execution that lost the run while the tool ran (its worker paused or cut
         off past its lease) still records what its call did, then raises
         ``LeaseLostError``: the side effect happened, and the next execution returns it
-        instead of calling again. Only while its attempt is the last one begun and
-        none has a result: the run's new holder may have called again since, and
-        that attempt's outcome is the one to keep. A fact about the call, not a step
-        of the run, which it does not touch."""
+        instead of calling again. Only while no attempt has a result: the run's new
+        holder may have called again since, and that attempt's outcome is the one to
+        keep. While that attempt is under way, a late success is recorded too (its
+        outcome replaces it when it comes; if it says it failed, or never comes, the
+        call still happened, and is not made a third time), but not a late error: the
+        new attempt may go through, and its worker die before it records it. A fact
+        about the call, not a step of the run, which it does not touch."""
         tool_call_id, attempt = begun.tool_call_id, begun.started_at
         deadline: float | None = None  # from the first failure on
         for tries in itertools.count():
@@ -139,7 +142,9 @@ class Effects:
                         E.c.run_id == run_id, E.c.tool_call_id == tool_call_id
                     )
                     if not holds:  # see above
-                        record = record.where(E.c.status == "started", E.c.started_at == attempt)
+                        record = record.where(E.c.status == "started")
+                        if is_error:
+                            record = record.where(E.c.started_at == attempt)
                     recorded = conn.execute(
                         record.values(
                             status="done", result=result, is_error=is_error, finished_at=utcnow()

@@ -623,11 +623,12 @@ class Engine:
         has started.
 
         ``request_id`` names the request (the ``agentruns.retry`` task gives its
-        message's id): a request that retried the run already, within a week, does not
-        again, whatever the run's status (it is returned as it is, and nudged if
-        queued). A message delivered again, after its worker died before it acked or
-        through an outage after a first try that went through, would otherwise queue
-        again a run that failed once more since, nobody asking."""
+        message's id): a request answered already, within a week (it queued the run,
+        nudged it, or was refused), is not again, whatever became of the run since (it
+        is returned as it is, and nudged if queued). A message delivered again, after
+        its worker died before it acked or through an outage after a first try that
+        went through, would otherwise queue again a run that failed once more since,
+        nobody asking."""
         run_id = intake.run_id(run_id)
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be text, not {type(request_id).__name__}")
@@ -640,15 +641,7 @@ class Engine:
                 run, retried = self.store.retry(run_id, raised, request_id)
                 if retried:
                     self.events.run_updated(run)
-            if not retried and request_id is not None and self.store.retried_by(run_id, request_id):
-                log.info(
-                    "run %s: retry %s queued it already (it is %s now): not again",
-                    run_id,
-                    request_id[:200],
-                    run.status.value,
-                )
-                if run.status is RunStatus.QUEUED:
-                    self.scheduler.schedule(run_id)
+            if not retried and request_id is not None and self._answered_already(run, request_id):
                 return run
             if not retried and run.status is not RunStatus.QUEUED:
                 raise NotRetryableError(run_id, self._why_not_retried(run))
@@ -669,6 +662,22 @@ class Engine:
                 )
             self.scheduler.schedule(run_id)
             return run
+
+    def _answered_already(self, run: Run, request_id: str) -> bool:
+        """Note the retry request ``request_id`` as answered (the run nudged, or the retry
+        refused); if it was already, say so, and nudge the run if it is queued."""
+        if self.store.note_retry(run.id, request_id):
+            return False
+        shown = request_id[:200]
+        log.info(
+            "run %s: retry %s was answered already (the run is %s now): not again",
+            run.id,
+            shown if shown.isprintable() else repr(shown),
+            run.status.value,
+        )
+        if run.status is RunStatus.QUEUED:
+            self.scheduler.schedule(run.id)
+        return True
 
     def _why_not_retried(self, run: Run) -> str:
         if run.status is not RunStatus.FAILED:

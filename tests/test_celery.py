@@ -674,7 +674,7 @@ def test_a_retry_message_delivered_again_does_not_retry_a_run_failed_since(
     retry.apply_async((run.id,), task_id=message)
     wait_for(partial(failed, 2), "the retried run to fail again")
     retry.apply_async((run.id,), task_id=message)
-    said = f"run {run.id}: retry {message} queued it already (it is failed now): not again"
+    said = f"run {run.id}: retry {message} was answered already (the run is failed now): not again"
     wait_for(lambda: said in worker.output(), "the message delivered again to be taken")
     time.sleep(0.5)  # a retry of the run would show by now
     assert failed(2) is not None

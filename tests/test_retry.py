@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pickle
 import threading
+import time
 from datetime import timedelta
 from typing import Any
 
 import pytest
+import sqlalchemy as sa
 
 from agentruns import (
     Agent,
@@ -23,9 +25,10 @@ from agentruns import (
 from agentruns.errors import InvalidTriggerError, NotRetryableError, UnknownAgentError
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.models.base import ModelError, ModelRequest, ModelResponse
-from agentruns.runs import utcnow
+from agentruns.runs import RunError, utcnow
 from agentruns.schedulers import ManualScheduler
 from agentruns.store import schema
+from agentruns.store.base import Commit, Guard
 from tests.conftest import EngineFactory, trigger
 
 
@@ -186,7 +189,7 @@ def test_two_retries_at_once_queue_the_run_once(make_engine: EngineFactory) -> N
     assert engine.execute(run.id).status is RunStatus.FAILED  # (still broken)
 
 
-def test_a_retry_request_queues_the_run_once_however_often_it_comes(
+def test_a_retry_request_is_answered_once_however_often_it_comes(
     make_any_engine: EngineFactory, caplog: pytest.LogCaptureFixture
 ) -> None:
     # The retry task's message delivered again (its worker died before it acked, or
@@ -204,21 +207,40 @@ def test_a_retry_request_queues_the_run_once_however_often_it_comes(
     scheduled: list[str] = engine.scheduler.scheduled  # type: ignore[attr-defined]
     run = engine.dispatch("a", trigger({}), schedule=False)
     engine.execute(run.id)
+
+    def delivered_again(request: str) -> None:
+        before = engine.get_run(run.id)
+        assert before.status is RunStatus.FAILED
+        del scheduled[:]
+        caplog.clear()
+        with caplog.at_level("INFO", logger="agentruns"):
+            again = engine.retry(run.id, request_id=request)
+        assert again.status is RunStatus.FAILED and again.error is not None
+        assert engine.get_run(run.id) == before  # not queued again, nor touched
+        assert scheduled == []
+        said = f"retry {request[:200]} was answered already (the run is failed now): not again"
+        assert said in caplog.text
+
     long_one = "m" * 300 + "\x00"  # kept hashed: longer than the column, and a NUL
     for request in ("m1", long_one):
         assert engine.retry(run.id, request_id=request).status is RunStatus.QUEUED
         assert engine.retry(run.id, request_id=request).status is RunStatus.QUEUED  # a nudge
         assert scheduled[-2:] == [run.id, run.id]
         assert engine.execute(run.id).status is RunStatus.FAILED
-        before = engine.get_run(run.id)
-        del scheduled[:]
-        with caplog.at_level("INFO", logger="agentruns"):
-            again = engine.retry(run.id, request_id=request)
-        assert again.status is RunStatus.FAILED and again.error is not None
-        assert engine.get_run(run.id) == before  # not queued again, nor touched
-        assert scheduled == []
-        said = f"retry {request[:200]} queued it already (it is failed now): not again"
-        assert said in caplog.text
+        delivered_again(request)
+    # A request that found the run queued by another (and nudged it), or running (and
+    # was refused), was answered too: delivered again once the run failed, nothing.
+    assert engine.retry(run.id, request_id="first").status is RunStatus.QUEUED
+    assert engine.retry(run.id, request_id="nudged").status is RunStatus.QUEUED
+    claimed = engine.store.claim(run.id, "elsewhere:1", utcnow() + timedelta(seconds=30))
+    assert claimed is not None
+    with pytest.raises(NotRetryableError, match="is running"):
+        engine.retry(run.id, request_id="refused")
+    error = RunError(code="model_error", message="overloaded")
+    failing = Commit(status=RunStatus.FAILED, error=error, release_claim=True)
+    engine.store.commit(claimed.run, Guard(status=RunStatus.RUNNING, epoch=claimed.epoch), failing)
+    for request in ("nudged", "refused", "first"):
+        delivered_again(request)
     assert calls == ["broken"] * 3
     # A request of its own retries it; so does a caller that names none.
     assert engine.retry(run.id, request_id="m2").status is RunStatus.QUEUED
@@ -226,6 +248,40 @@ def test_a_retry_request_queues_the_run_once_however_often_it_comes(
     assert engine.retry(run.id).status is RunStatus.QUEUED
     with pytest.raises(TypeError, match="request_id must be text"):
         engine.retry(run.id, request_id=5)  # type: ignore[arg-type]
+
+
+def test_a_retry_waiting_on_the_run_while_its_request_is_answered_is_undone(
+    make_engine: EngineFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A first try of the request queued the run, and it failed again, while a second
+    # try's statement waited on the run's row: that one's snapshot did not see the
+    # request, and it failed on the request's key (an IntegrityError) instead of
+    # saying it was answered.
+    engine = make_engine([Agent("a", ScriptedModel([text("ok")]))], scheduler=ManualScheduler())
+    run = engine.dispatch("a", trigger({}), schedule=False)
+    claimed = engine.store.claim(run.id, "elsewhere:1", utcnow() + timedelta(seconds=30))
+    assert claimed is not None
+    failing = Commit(status=RunStatus.FAILED, error=RunError(code="x", message="y"))
+    engine.store.commit(claimed.run, Guard(status=RunStatus.RUNNING, epoch=claimed.epoch), failing)
+    runs, retries = schema.runs, schema.retries
+    first_try = engine.store.engine.connect()  # type: ignore[attr-defined]
+    first_try.execute(sa.text("BEGIN"))
+    first_try.execute(runs.update().where(runs.c.id == run.id).values(status="queued"))
+    first_try.execute(retries.insert().values(run_id=run.id, request_id="m1", at=utcnow()))
+    first_try.execute(runs.update().where(runs.c.id == run.id).values(status="failed"))
+    outcome: list[Any] = []
+    second_try = threading.Thread(
+        target=lambda: outcome.append(engine.retry(run.id, request_id="m1"))
+    )
+    with caplog.at_level("INFO", logger="agentruns"):
+        second_try.start()
+        time.sleep(0.5)  # its update waits on the run's row
+        first_try.execute(sa.text("COMMIT"))
+        second_try.join(10)
+    first_try.close()
+    assert [r.status for r in outcome] == [RunStatus.FAILED]
+    assert engine.get_run(run.id).status is RunStatus.FAILED
+    assert "retry m1 was answered already (the run is failed now)" in caplog.text
 
 
 def test_recover_forgets_retry_requests_a_week_old(make_any_engine: EngineFactory) -> None:
@@ -238,10 +294,16 @@ def test_recover_forgets_retry_requests_a_week_old(make_any_engine: EngineFactor
             [
                 {"run_id": "r1", "request_id": "old", "at": now - timedelta(days=8)},
                 {"run_id": "r1", "request_id": "new", "at": now - timedelta(days=6)},
+                {"run_id": "r1", "request_id": "older", "at": now - timedelta(days=9)},
             ],
         )
+    # One a week old is forgotten, though its row is still there.
+    assert engine.store.note_retry("r1", "older")
     engine.recover()
-    assert engine.store.retried_by("r1", "new") and not engine.store.retried_by("r1", "old")
+    with engine.store.engine.connect() as conn:  # type: ignore[attr-defined]
+        left = {row.request_id for row in conn.execute(sa.select(retries.c.request_id))}
+    assert left == {"new", "older"}
+    assert not engine.store.note_retry("r1", "new")
 
 
 def test_a_run_retried_as_it_fails_goes_on_at_once(make_any_engine: EngineFactory) -> None:

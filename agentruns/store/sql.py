@@ -512,59 +512,82 @@ class SqlStore:
         effect records and usage kept; its budget replaced by ``budget`` if given): the
         run, and whether this retried it (False: it is not failed, or a later run of its
         thread has started: it went on from the thread's runs before this one; or
-        ``request_id``, the request asking, retried it already: ``retried_by``).
+        ``request_id``, the request asking, was answered already: ``note_retry``).
 
-        One statement decides: two retries queue the run once."""
+        One statement decides: two retries queue the run once. A request that queues
+        the run is noted with it, in one transaction."""
         went_on = sa.exists(_started_after(R).with_only_columns(sa.literal(1)))
-        asked = () if request_id is None else (~_retried_by(run_id, request_id),)
-        with self._atomic.begin() as conn:
-            row = (
-                conn.execute(
-                    R.update()
-                    .where(
-                        R.c.id == run_id,
-                        status_of_one == RunStatus.FAILED.value,
-                        sa.or_(R.c.thread.is_(None), ~went_on),
-                        *asked,
-                    )
-                    .values(
-                        status=RunStatus.QUEUED.value,
-                        error=sa.null(),
-                        output=None,
-                        cancel_requested=False,
-                        claim_owner=None,
-                        claim_expires_at=None,
-                        updated_at=utcnow(),
-                        finished_at=None,
-                        **({} if budget is None else {"budget": budget.model_dump(mode="json")}),
-                    )
-                    .returning(*R.c)
-                )
-                .mappings()
-                .first()
-            )
-            if row is None:
-                return run_from_row(self._require(conn, run_id)), False
-            if request_id is not None:
-                # The run's row is locked by the update: no other try of this request
-                # is between its check and this.
-                conn.execute(
-                    RQ.insert().values(run_id=run_id, request_id=_request(request_id), at=utcnow())
-                )
-            return run_from_row(row), True
+        asked = () if request_id is None else (~_noted(run_id, request_id),)
+        try:
+            with self._atomic.begin() as conn:
+                return self._retry(conn, run_id, budget, request_id, went_on, asked)
+        except _AnsweredAlready:  # rolled back
+            return self.get_run(run_id), False
 
-    def retried_by(self, run_id: str, request_id: str) -> bool:
-        """Whether the request ``request_id`` retried the run (in the last
-        ``RETRY_REQUEST_DAYS``)."""
-        with self._reads.connect() as conn:
-            return bool(conn.execute(sa.select(_retried_by(run_id, request_id))).scalar())
+    def _retry(
+        self,
+        conn: Connection,
+        run_id: str,
+        budget: Budget | None,
+        request_id: str | None,
+        went_on: sa.Exists,
+        asked: tuple[Any, ...],
+    ) -> tuple[Run, bool]:
+        queued = R.update().where(
+            R.c.id == run_id,
+            status_of_one == RunStatus.FAILED.value,
+            sa.or_(R.c.thread.is_(None), ~went_on),
+            *asked,
+        )
+        row = (
+            conn.execute(
+                queued.values(
+                    status=RunStatus.QUEUED.value,
+                    error=sa.null(),
+                    output=None,
+                    cancel_requested=False,
+                    claim_owner=None,
+                    claim_expires_at=None,
+                    updated_at=utcnow(),
+                    finished_at=None,
+                    **({} if budget is None else {"budget": budget.model_dump(mode="json")}),
+                ).returning(*R.c)
+            )
+            .mappings()
+            .first()
+        )
+        if row is None:
+            return run_from_row(self._require(conn, run_id)), False
+        # Another try of the request noted it since this statement's snapshot (it
+        # queued the run, which then failed again, while this waited on its row):
+        # answered already, and this retry is undone.
+        if request_id is not None and not self._note(conn, run_id, request_id):
+            raise _AnsweredAlready
+        return run_from_row(row), True
+
+    def note_retry(self, run_id: str, request_id: str) -> bool:
+        """Note that the request ``request_id`` was answered (the run nudged, or the
+        retry refused): False if it was already, in the last ``RETRY_REQUEST_DAYS``."""
+        with self._atomic.begin() as conn:
+            return self._note(conn, run_id, request_id)
+
+    def _note(self, conn: Connection, run_id: str, request_id: str) -> bool:
+        now = utcnow()
+        insert = self._insert(RQ).values(run_id=run_id, request_id=_request(request_id), at=now)
+        noted = conn.execute(
+            insert.on_conflict_do_update(
+                index_elements=[RQ.c.run_id, RQ.c.request_id],
+                set_={"at": now},
+                where=RQ.c.at < _week_ago(),  # long forgotten, if not yet deleted
+            ).returning(RQ.c.run_id)  # (an INSERT's rowcount is not told on Postgres)
+        )
+        return noted.first() is not None
 
     def forget_retries(self) -> int:
         """Delete the retries' requests older than ``RETRY_REQUEST_DAYS`` (a message
         is not delivered again that late); how many."""
-        long_ago = utcnow() - timedelta(days=schema.RETRY_REQUEST_DAYS)
         with self.engine.begin() as conn:
-            return int(conn.execute(RQ.delete().where(RQ.c.at < long_ago)).rowcount or 0)
+            return int(conn.execute(RQ.delete().where(RQ.c.at < _week_ago())).rowcount or 0)
 
     def thread_went_on(self, run_id: str) -> str | None:
         """The first run of the run's thread created after it that has started, if any."""
@@ -771,5 +794,16 @@ def _request(request_id: str) -> str:
     return "sha256:" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _retried_by(run_id: str, request_id: str) -> sa.Exists:
-    return sa.exists().where(RQ.c.run_id == run_id, RQ.c.request_id == _request(request_id))
+def _week_ago() -> datetime:
+    return utcnow() - timedelta(days=schema.RETRY_REQUEST_DAYS)
+
+
+def _noted(run_id: str, request_id: str) -> sa.Exists:
+    """The request was answered, in the last ``RETRY_REQUEST_DAYS``."""
+    return sa.exists().where(
+        RQ.c.run_id == run_id, RQ.c.request_id == _request(request_id), RQ.c.at >= _week_ago()
+    )
+
+
+class _AnsweredAlready(Exception):
+    """A retry's request was noted by another try of it meanwhile: roll back."""

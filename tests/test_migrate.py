@@ -17,6 +17,7 @@ from agentruns import Agent, Engine, RunStatus, SqlStore
 from agentruns.errors import AgentrunsError, NotMigratedError, RunNotFoundError
 from agentruns.migrate import migrate
 from agentruns.migrations import (
+    FLOOR_TABLE,
     HEAD,
     LEGACY_VERSION_TABLE,
     REVISIONS,
@@ -130,6 +131,8 @@ def test_an_engine_on_a_database_a_newer_release_migrated_says_so(tmp_path: obje
     engine = sa.create_engine(url)
     with engine.begin() as conn:
         conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = '9999'"))
+        # Its migrations broke the statements of the releases before it.
+        conn.execute(sa.text(f"UPDATE {FLOOR_TABLE} SET revision = '9999'"))
     engine.dispose()
     with pytest.raises(NotMigratedError, match="at schema 9999, newer than this release"):
         SqlStore(url).check_schema()
@@ -137,6 +140,31 @@ def test_an_engine_on_a_database_a_newer_release_migrated_says_so(tmp_path: obje
     # CommandError: Can't locate revision identified by '9999'".
     with pytest.raises(AgentrunsError, match="at schema 9999, newer than this release"):
         migrate(url)
+
+
+def test_an_engine_works_on_a_database_a_newer_release_migrated_if_it_says_it_may(
+    empty_pg: str, tmp_path: object, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A prefork child of an older release that started once the new release's migrate
+    # had run (never used before, or recycled by max_tasks_per_child) refused the
+    # database, though the migration had only added a table: it gave every message
+    # back until the workers were replaced.
+    for url in (empty_pg, f"sqlite:///{tmp_path}/newer.db"):
+        migrate(url)
+        engine = sa.create_engine(url)
+        with engine.begin() as conn:
+            conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = '9999'"))
+        engine.dispose()  # the floor stays: 0005 left the release before it working
+        with caplog.at_level("INFO", logger="agentruns"):
+            agentruns = Engine(url, agents=[Agent("a", ScriptedModel([text("ok")]))], secret="s")
+        try:
+            run = agentruns.dispatch("a", {"source": "s", "trigger": "t"})
+            assert agentruns.idle(10)
+            assert agentruns.get_run(run.id).output == "ok"
+        finally:
+            agentruns.close()
+        said = f"at schema 9999, newer than this release of agentruns knows ({HEAD}); it works"
+        assert f"{said} with releases from schema 0004 on" in caplog.text
 
 
 def test_the_revisions_an_engine_checks_for_are_alembics_own() -> None:
@@ -218,6 +246,23 @@ def test_a_migration_a_long_transaction_holds_up_gives_up_changing_nothing(
         assert current_revision(conn) == "0001"  # nothing changed
     engine.dispose()
     assert migrate(empty_pg) == HEAD
+
+
+def test_a_migration_that_waits_on_the_revisions_table_gives_up_saying_so(
+    empty_pg: str,
+) -> None:
+    # Its read of the revision waited on a lock of that table and said "database error
+    # on …: canceling statement due to lock timeout".
+    migrate(empty_pg)
+    engine = sa.create_engine(empty_pg)
+    with engine.connect() as holder:
+        holder.execute(sa.text(f"LOCK TABLE {VERSION_TABLE} IN ACCESS EXCLUSIVE MODE"))
+        with pytest.raises(AgentrunsError, match=r"waited 0\.5 s for a table lock"):
+            migrate(empty_pg, lock_timeout=0.5)
+        holder.rollback()
+    with engine.connect() as conn:
+        assert current_revision(conn) == HEAD
+    engine.dispose()
 
 
 def test_a_thread_stored_before_0002_is_continued_after_it(empty_pg: str, tmp_path: object) -> None:

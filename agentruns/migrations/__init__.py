@@ -19,6 +19,13 @@ VERSION_TABLE = "agentruns_alembic_version"
 # Where agentruns recorded it before it had a table of its own; ``migrate`` moves
 # the record from there once (then an application's Alembic may use that table).
 LEGACY_VERSION_TABLE = "alembic_version"
+# The oldest revision whose releases work on the database (a row of its own table):
+# an engine of a release that does not know the database's revision, which a newer
+# release migrated, works on it if it knows this one (a prefork child that starts in
+# a rolling deploy, once the new release's migrate ran). A migration that leaves the
+# statements of the releases before it working (a table or an index of its own)
+# leaves the floor as it is; one that breaks them raises it to itself. From 0005 on.
+FLOOR_TABLE = "agentruns_schema_floor"
 # A table every agentruns schema has: Alembic's default table holds agentruns'
 # revision only beside it (an application's revisions may be numbered alike).
 _RUNS = "agentruns_runs"
@@ -37,6 +44,14 @@ def legacy_revision(conn: Connection) -> str | None:
         return None
     legacy = _version(conn, LEGACY_VERSION_TABLE)
     return legacy if legacy in REVISIONS else None
+
+
+def schema_floor(conn: Connection) -> str | None:
+    """The oldest revision whose releases work on the database, if it says."""
+    if not sa.inspect(conn).has_table(FLOOR_TABLE):
+        return None
+    floor = sa.table(FLOOR_TABLE, sa.column("revision", sa.String))
+    return conn.execute(sa.select(floor.c.revision)).scalar()
 
 
 def current_revision(conn: Connection) -> str | None:

@@ -200,6 +200,14 @@ crashes = sa.Table(
     sa.Column("times", sa.Integer, nullable=False),
 )
 
+# The oldest revision whose releases work on the database, one row (see
+# agentruns.migrations.FLOOR_TABLE).
+schema_floor = sa.Table(
+    "agentruns_schema_floor",
+    metadata,
+    sa.Column("revision", sa.String(32), primary_key=True),
+)
+
 # The requests that retried a run (a retry task's message id): a message delivered
 # again (its worker died before it acked, or it was retried through an outage after
 # a first try that went through) does not queue again a run that failed once more

@@ -25,7 +25,7 @@ from agentruns.errors import (
     NotMigratedError,
     RunNotFoundError,
 )
-from agentruns.migrations import HEAD, REVISIONS, current_revision
+from agentruns.migrations import HEAD, REVISIONS, current_revision, schema_floor
 from agentruns.runs import (
     Budget,
     Checkpoint,
@@ -165,9 +165,12 @@ class SqlStore:
                 f"the database {self._safe_url()} does not exist: run `agentruns migrate`"
                 " to create it (or check its URL)"
             )
+        floor = None
         try:
             with self._reads.connect() as conn:
                 current = current_revision(conn)
+                if current is not None and current not in REVISIONS:
+                    floor = schema_floor(conn)
         except (OperationalError, ProgrammingError) as exc:
             if isinstance(exc, OperationalError) and (
                 exc.connection_invalidated or exc.statement in (None, "connect")
@@ -176,6 +179,18 @@ class SqlStore:
             raise NotMigratedError(
                 f"cannot read the schema version of {self._safe_url()}: {exc.orig}"
             ) from exc
+        if current is not None and current not in REVISIONS and floor in REVISIONS:
+            # A newer release migrated it, and says this one's statements still work.
+            log.info(
+                "the database %s is at schema %s, newer than this release of agentruns"
+                " knows (%s); it works with releases from schema %s on",
+                self._safe_url(),
+                current,
+                HEAD,
+                floor,
+            )
+            self._checked = True
+            return
         if current is not None and current not in REVISIONS:
             # `agentruns migrate` here would not help: it knows no way from there.
             raise NotMigratedError(

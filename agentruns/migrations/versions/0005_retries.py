@@ -2,7 +2,12 @@
 (its worker died before it acked, or it was retried through an outage after a first
 try that went through) does not queue again a run that failed once more since.
 
-A table of its own, so workers of the release before keep working beside it.
+And the schema's floor: the oldest revision whose releases work on the database
+(``agentruns.migrations.FLOOR_TABLE``). This migration leaves 0004's working, so the
+floor is 0004; releases from this one on read it, and keep working on a database a
+later migration that leaves it so brought past what they know.
+
+Tables of their own, so workers of the release before keep working beside them.
 
 Revision ID: 0005
 Revises: 0004
@@ -28,7 +33,13 @@ def upgrade() -> None:
         sa.Column("at", sa.DateTime(timezone=True), nullable=False),
     )
     op.create_index("ix_agentruns_retries_at", "agentruns_retries", ["at"])
+    floor = op.create_table(
+        "agentruns_schema_floor",
+        sa.Column("revision", sa.String(32), primary_key=True),
+    )
+    op.bulk_insert(floor, [{"revision": "0004"}])
 
 
 def downgrade() -> None:
+    op.drop_table("agentruns_schema_floor")
     op.drop_table("agentruns_retries")

@@ -630,8 +630,11 @@ def test_unreachable_server_fails_with_a_connection_message_after_retries() -> N
 # --- aborts -----------------------------------------------------------------
 
 
-def test_abort_during_a_slow_stream_raises_within_half_a_second(fake: FakeAnthropic) -> None:
-    fake.push(slow(30.0))
+def _aborted_while_stalled(fake: FakeAnthropic, requests: int) -> tuple[dict[str, Any], Any]:
+    """Call the model in a thread, and set its abort signal once the stream of its
+    ``requests``-th request stalls after message_start (read by the client by then):
+    what the call raised ("error"), when it ended ("done_at") and when the signal was
+    set ("set_at"), and that request."""
     signal = threading.Event()
     outcome: dict[str, Any] = {}
 
@@ -644,15 +647,20 @@ def test_abort_during_a_slow_stream_raises_within_half_a_second(fake: FakeAnthro
 
     caller = threading.Thread(target=call)
     caller.start()
-    [stalled] = fake.wait_for_requests(1)
+    stalled = fake.wait_for_requests(requests)[-1]
     assert stalled.stalled.wait(5)  # message_start sent; the server now says nothing
-    time.sleep(0.1)
-    set_at = time.monotonic()
+    time.sleep(0.5)  # for the client to read it (its usage)
+    outcome["set_at"] = time.monotonic()
     signal.set()
     caller.join(timeout=5)
+    return outcome, stalled
 
+
+def test_abort_during_a_slow_stream_raises_within_half_a_second(fake: FakeAnthropic) -> None:
+    fake.push(slow(30.0))
+    outcome, stalled = _aborted_while_stalled(fake, 1)
     assert isinstance(outcome.get("error"), ModelAborted)
-    assert outcome["done_at"] - set_at < 0.5
+    assert outcome["done_at"] - outcome["set_at"] < 0.5
     assert stalled.disconnected.wait(1)  # the HTTP response was closed, not left hanging
 
 
@@ -663,22 +671,7 @@ def test_an_aborted_call_carries_what_the_provider_counted_before_the_hang_up(
     # paused turns, its input, and what had streamed of its output.
     paused = reply(text("Searching..."), stop_reason="pause_turn", usage=usage(5000, 300))
     fake.push(paused, slow(30.0, reply(text("late"), usage=usage(3000, 50, cache_read=900))))
-    signal = threading.Event()
-    outcome: dict[str, Any] = {}
-
-    def call() -> None:
-        try:
-            make_model(fake).complete(request(), signal)
-        except BaseException as exc:
-            outcome["error"] = exc
-
-    caller = threading.Thread(target=call)
-    caller.start()
-    [_, stalled] = fake.wait_for_requests(2)
-    assert stalled.stalled.wait(5)  # message_start (its usage) sent, then nothing
-    time.sleep(0.5)  # for the client to read it
-    signal.set()
-    caller.join(timeout=5)
+    outcome, _ = _aborted_while_stalled(fake, 2)
     aborted = outcome.get("error")
     assert isinstance(aborted, ModelAborted)
     # message_start says the input, and one output token so far.

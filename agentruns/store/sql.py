@@ -531,23 +531,17 @@ class SqlStore:
 
         One statement decides: two retries queue the run once. A request that queues
         the run is noted with it, in one transaction."""
-        went_on = sa.exists(_started_after(R).with_only_columns(sa.literal(1)))
-        asked = () if request_id is None else (~_noted(run_id, request_id),)
         try:
             with self._atomic.begin() as conn:
-                return self._retry(conn, run_id, budget, request_id, went_on, asked)
+                return self._retry(conn, run_id, budget, request_id)
         except _AnsweredAlready:  # rolled back
             return self.get_run(run_id), False
 
     def _retry(
-        self,
-        conn: Connection,
-        run_id: str,
-        budget: Budget | None,
-        request_id: str | None,
-        went_on: sa.Exists,
-        asked: tuple[Any, ...],
+        self, conn: Connection, run_id: str, budget: Budget | None, request_id: str | None
     ) -> tuple[Run, bool]:
+        went_on = sa.exists(_started_after(R).with_only_columns(sa.literal(1)))
+        asked = () if request_id is None else (~_noted(run_id, request_id),)
         queued = R.update().where(
             R.c.id == run_id,
             status_of_one == RunStatus.FAILED.value,

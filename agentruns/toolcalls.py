@@ -133,8 +133,10 @@ class ToolCaller:
         record = self.effects.get(ctx.tool_call_id)
         if record is not None and not record.done:
             # Read again: an execution that lost the run while the call ran records its
-            # result when its worker goes on (one paused past its lease, say).
-            record = self.store.effects(self.run_id).get(ctx.tool_call_id, record)
+            # result when its worker goes on (one paused past its lease, say), or, if
+            # its call said it failed (FatalToolError), deletes its intent: none left,
+            # the call is made as a first one, not taken for one of unknown outcome.
+            record = self.store.effects(self.run_id).get(ctx.tool_call_id)
         if record is not None and record.done:
             return _recorded(record.result, record.is_error)
         # An intent without a result: the call may have happened. An approval of the

@@ -289,6 +289,37 @@ def test_a_stopped_owners_late_charge_is_kept_when_the_call_made_again_says_it_f
     assert charged[-1].output == {"charged": 5, "key": charges[0]}  # the first's
 
 
+def test_an_intent_its_stopped_owner_forgot_meanwhile_is_not_taken_for_unknown(
+    make_engine: EngineFactory, spawn: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The paused worker's call said it failed (FatalToolError), and it deleted its
+    # intent after the run's new holder had read it: the holder's read again found
+    # none, fell back on what it had read, and asked a person whether a call known to
+    # have failed had happened.
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("unknown_approve", trigger({}))
+    monkeypatch.setenv("AGENTRUNS_TEST_FATAL", "charge")
+    first = spawn(run.id, pause="charge")  # charges for a second, then says it failed
+    monkeypatch.delenv("AGENTRUNS_TEST_FATAL")
+    first.wait_for_line("charge ")
+    first.proc.send_signal(signal.SIGSTOP)
+    rescuer = make_engine(AGENTS, scheduler=ManualScheduler(), requeue_after=0.5)
+    recover_when_lease_expires(rescuer, run.id)
+    reads = rescuer.store.effects
+
+    def read_then_let_the_first_go_on(run_id: str) -> Any:
+        read = reads(run_id)
+        monkeypatch.setattr(rescuer.store, "effects", reads)
+        first.proc.send_signal(signal.SIGCONT)
+        assert first.proc.wait(timeout=20) == 0
+        return read
+
+    monkeypatch.setattr(rescuer.store, "effects", read_then_let_the_first_go_on)
+    assert rescuer.execute(run.id).status is RunStatus.COMPLETED  # nobody asked
+    assert "error LeaseLostError" in first.lines()
+    assert len(charge_keys(first)) == 2
+
+
 def test_a_stopped_owners_effect_outcome_does_not_stand_for_a_later_attempts(
     make_engine: EngineFactory, spawn: Any
 ) -> None:

@@ -170,8 +170,12 @@ class ToolCaller:
             self._forget(begun, record)
             raise
         recorded = outcome.output if not outcome.is_error else outcome.content
-        self.store.finish_effect(self.run_id, self.epoch, begun, recorded, outcome.is_error)
-        return outcome
+        if self.store.finish_effect(self.run_id, self.epoch, begun, recorded, outcome.is_error):
+            return outcome
+        # An error, not recorded over the success an earlier attempt recorded meanwhile
+        # (its worker paused past its lease): the call happened, and that is its outcome.
+        kept = self.store.effects(self.run_id)[ctx.tool_call_id]
+        return _recorded(kept.result, kept.is_error)
 
     def _check_lease(self) -> None:
         if not self.holds_lease():

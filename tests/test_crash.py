@@ -261,28 +261,35 @@ def test_an_effect_call_a_stopped_owner_finished_is_recorded_and_not_made_again(
     assert tool_steps[0].output == {"charged": 5, "key": charges[0].split()[1]}
 
 
-def test_a_stopped_owners_late_charge_is_kept_when_the_call_made_again_says_it_failed(
-    make_engine: EngineFactory, spawn: Any, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("then", ["fatal", "error"])
+def test_a_stopped_owners_late_charge_is_kept_when_the_call_made_again_fails(
+    make_engine: EngineFactory, spawn: Any, monkeypatch: pytest.MonkeyPatch, then: str
 ) -> None:
-    # The paused worker went on while the run's new holder called again, and charged:
-    # its result was refused (a later attempt was under way), that attempt then raised
-    # FatalToolError and handed the intent back to the first, whose result was gone.
-    # A retry of the run charged a third time.
+    # The paused worker went on while the run's new holder called again, and charged.
+    # fatal: its result was refused (a later attempt was under way), that attempt then
+    # raised FatalToolError and handed the intent back to the first, whose result was
+    # gone; a retry of the run charged a third time. error: the holder's error ("a
+    # charge with this key exists") replaced the success, and the model was told the
+    # charge failed.
     rescuer, run, first = stopped_inside_the_charge(make_engine, spawn)
 
-    def goes_on_meanwhile_then_declines(name: str) -> None:
+    def goes_on_meanwhile_then_fails(name: str) -> None:
         first.proc.send_signal(signal.SIGCONT)
         assert first.proc.wait(timeout=20) == 0  # its charge recorded, or refused
-        raise FatalToolError("declined: a charge with this key is under way")
+        if then == "fatal":
+            raise FatalToolError("declined: a charge with this key is under way")
+        raise RuntimeError("a charge with this key exists")
 
     calls_as_it_does = agents.hang_here
-    monkeypatch.setattr(agents, "hang_here", goes_on_meanwhile_then_declines)
-    failed = rescuer.execute(run.id)
-    assert failed.error is not None and failed.error.code == "fatal_tool_error"
+    monkeypatch.setattr(agents, "hang_here", goes_on_meanwhile_then_fails)
+    done = rescuer.execute(run.id)
     assert "error LeaseLostError" in first.lines()
     monkeypatch.setattr(agents, "hang_here", calls_as_it_does)
-    rescuer.retry(run.id)
-    assert rescuer.execute(run.id).status is RunStatus.COMPLETED
+    if then == "fatal":
+        assert done.error is not None and done.error.code == "fatal_tool_error"
+        rescuer.retry(run.id)
+        done = rescuer.execute(run.id)
+    assert done.status is RunStatus.COMPLETED
     charges = charge_keys(first)
     assert len(charges) == 2 and charges[0] == charges[1]  # not a third time
     charged = [s for s in rescuer.steps(run.id) if s.kind == "tool" and s.name == "charge"]

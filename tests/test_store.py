@@ -136,10 +136,15 @@ def test_an_effects_result_from_an_execution_that_lost_the_run_is_kept_if_it_is_
         "done": (True, "the holder's"),
     }[holder]
     if holder == "calling, late success":
-        # The holder's outcome, when it comes, is the one kept.
-        store.finish_effect(run.id, holds.epoch, again, "declined: a duplicate", True)
+        # The holder's outcome, when it comes, is the one kept; but not an error over
+        # the success (a gateway's "duplicate key"): the call happened, and the model
+        # was told it failed.
+        assert not store.finish_effect(run.id, holds.epoch, again, "duplicate key", True)
         record = store.effects(run.id)["toolu_1"]
-        assert (record.done, record.result) == (True, "declined: a duplicate")
+        assert (record.done, record.result, record.is_error) == (True, "charged", False)
+        assert store.finish_effect(run.id, holds.epoch, again, "charged again", False)
+        record = store.effects(run.id)["toolu_1"]
+        assert (record.done, record.result) == (True, "charged again")
     if holder == "none":
         # The holder, about to call again, begins: it finds the result, and calls not.
         begun = store.begin_effect(run.id, holds.epoch, "toolu_1", "charge", "key")

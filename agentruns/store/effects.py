@@ -114,7 +114,7 @@ class Effects:
 
     def finish(
         self, run_id: str, epoch: int, begun: EffectRecord, result: Any, is_error: bool
-    ) -> None:
+    ) -> bool:
         """Record the result of the effect call ``begin`` began (``begun``). The one write
         whose loss repeats a side effect (recovery finds an intent without a result): a
         connection that died while the tool ran (a restart, a failover, a killed
@@ -130,7 +130,11 @@ class Effects:
         outcome replaces it when it comes; if it says it failed, or never comes, the
         call still happened, and is not made a third time), but not a late error: the
         new attempt may go through, and its worker die before it records it. A fact
-        about the call, not a step of the run, which it does not touch."""
+        about the call, not a step of the run, which it does not touch.
+
+        The holder's own result replaces a late one, but an error never replaces a
+        late success (a gateway's "duplicate key" after the first attempt charged):
+        False then, and the recorded success is the call's outcome."""
         tool_call_id, attempt = begun.tool_call_id, begun.started_at
         deadline: float | None = None  # from the first failure on
         for tries in itertools.count():
@@ -145,6 +149,8 @@ class Effects:
                         record = record.where(E.c.status == "started")
                         if is_error:
                             record = record.where(E.c.started_at == attempt)
+                    elif is_error:  # not over a late success
+                        record = record.where(sa.or_(E.c.status == "started", E.c.is_error))
                     recorded = conn.execute(
                         record.values(
                             status="done", result=result, is_error=is_error, finished_at=utcnow()
@@ -152,7 +158,7 @@ class Effects:
                     ).rowcount
                 if not holds:
                     raise LeaseLostError(run_id, _late(run_id, begun, bool(recorded)))
-                return
+                return bool(recorded)
             except DATABASE_OUTAGE as exc:
                 # Bounded: a silent server (each try waiting out its timeout) would
                 # hold the execution, and its drain, for as long as it lasts.
@@ -170,6 +176,7 @@ class Effects:
                         _FINISH_EFFECT_TRIES_S,
                     )
                 time.sleep(pause)
+        raise AssertionError("unreachable: the tries end by returning or raising")
 
     def forget(self, run_id: str, begun: EffectRecord, earlier: EffectRecord | None) -> None:
         """Forget the attempt ``begin`` recorded (``begun``), still without a result: its
@@ -198,11 +205,12 @@ def _late(run_id: str, begun: EffectRecord, recorded: bool) -> str:
     if recorded:
         return (
             f"lost the claim on run {run_id} while its {call} ran: the call's result is"
-            " recorded, for the run's holder to return instead of calling again"
+            " recorded, for the run's next execution to return (unless the run's holder,"
+            " calling again meanwhile, records its own)"
         )
     return (
         f"lost the claim on run {run_id} while its {call} ran: its result is not recorded,"
-        " since the run's holder made the call again (that attempt's outcome is kept)"
+        " since the run's holder made the call again"
     )
 
 

@@ -622,8 +622,8 @@ class SqlStore:
 
     def finish_effect(
         self, run_id: str, epoch: int, begun: EffectRecord, result: Any, is_error: bool
-    ) -> None:
-        self._effects.finish(run_id, epoch, begun, result, is_error)
+    ) -> bool:
+        return self._effects.finish(run_id, epoch, begun, result, is_error)
 
     # -- sweeps ----------------------------------------------------------------
 

@@ -16,6 +16,7 @@ from agentruns.migrations import (
     VERSION_TABLE,
     current_revision,
     legacy_revision,
+    schema_floor,
 )
 from agentruns.store.connect import make_engine
 
@@ -35,6 +36,8 @@ def _config() -> Config:
 
 def migrate(url: str, lock_timeout: float = LOCK_TIMEOUT_S) -> str | None:
     """Bring the database at ``url`` up to the newest schema; returns the revision.
+    A database a newer release migrated is left as it is if it says this release
+    works on it (its revision returned); else ``AgentrunsError``.
 
     On Postgres, a table lock a migration needs is waited for ``lock_timeout``
     seconds at most: while it waits, every write to that table waits behind it (a
@@ -67,6 +70,10 @@ def _migrate(engine: sa.Engine, lock_timeout: float) -> str | None:
                 {"ms": f"{max(1, round(lock_timeout * 1000))}ms"},
             )
         current = current_revision(conn)
+        if current is not None and current not in REVISIONS and schema_floor(conn) in REVISIONS:
+            # A newer release migrated it, and says this one works on it: nothing to do
+            # (a deploy rolled back, whose services wait on migrate to succeed).
+            return current
         if current is not None and current not in REVISIONS:
             # Alembic's own word for it: "Can't locate revision identified by …".
             raise AgentrunsError(

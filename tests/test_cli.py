@@ -41,6 +41,7 @@ from agentruns.cli import main, render
 from agentruns.cli import session as session_module
 from agentruns.cli.errors import database_failure
 from agentruns.migrate import migrate
+from agentruns.migrations import VERSION_TABLE
 from agentruns.models import ScriptedModel, text, tool_use
 from agentruns.models.base import ModelError
 from agentruns.recovery import held_until
@@ -131,6 +132,16 @@ def test_migrate_creates_the_database_and_can_run_again(
     assert code == 0
     assert "migrated" in out and "revision" in out
     assert cli.json("migrate")["revision"]
+    assert cli("runs")[1].strip() == "no runs"
+    # Migrated by a later release that says this one works on it (a deploy rolled
+    # back, whose services wait on migrate): nothing to do, not an error.
+    engine = sa.create_engine(env)
+    with engine.begin() as conn:
+        conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = '9999'"))
+    engine.dispose()
+    code, out, _ = cli("migrate")
+    assert code == 0 and "is at revision 9999, newer than this release knows" in out
+    assert "says this release works on it: nothing to migrate" in out
     assert cli("runs")[1].strip() == "no runs"
 
 

@@ -17,12 +17,14 @@ from agentruns import Agent, Engine, RunStatus, SqlStore
 from agentruns.errors import AgentrunsError, NotMigratedError, RunNotFoundError
 from agentruns.migrate import migrate
 from agentruns.migrations import (
+    FLOOR,
     FLOOR_TABLE,
     HEAD,
     LEGACY_VERSION_TABLE,
     REVISIONS,
     VERSION_TABLE,
     current_revision,
+    schema_floor,
 )
 from agentruns.models import ScriptedModel, text
 from agentruns.runs import utcnow
@@ -142,6 +144,17 @@ def test_an_engine_on_a_database_a_newer_release_migrated_says_so(tmp_path: obje
         migrate(url)
 
 
+def test_the_migrations_leave_the_floor_this_release_declares(
+    empty_pg: str, tmp_path: object
+) -> None:
+    for url in (empty_pg, f"sqlite:///{tmp_path}/floor.db"):
+        migrate(url)
+        engine = sa.create_engine(url)
+        with engine.connect() as conn:
+            assert schema_floor(conn) == FLOOR
+        engine.dispose()
+
+
 def test_an_engine_works_on_a_database_a_newer_release_migrated_if_it_says_it_may(
     empty_pg: str, tmp_path: object, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -155,6 +168,7 @@ def test_an_engine_works_on_a_database_a_newer_release_migrated_if_it_says_it_ma
         with engine.begin() as conn:
             conn.execute(sa.text(f"UPDATE {VERSION_TABLE} SET version_num = '9999'"))
         engine.dispose()  # the floor stays: 0005 left the release before it working
+        assert migrate(url) == "9999"  # nothing to do (a deploy rolled back)
         with caplog.at_level("INFO", logger="agentruns"):
             agentruns = Engine(url, agents=[Agent("a", ScriptedModel([text("ok")]))], secret="s")
         try:

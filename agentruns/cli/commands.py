@@ -16,6 +16,7 @@ from agentruns.cli.session import Session
 from agentruns.engine import Engine
 from agentruns.errors import first_line
 from agentruns.leases import RedisLeases
+from agentruns.migrations import HEAD, REVISIONS
 from agentruns.runs import Run, RunStatus, utcnow
 from agentruns.settings import is_redis_url
 from agentruns.store.connect import shown_url
@@ -30,7 +31,13 @@ def cmd_migrate(session: Session, args: argparse.Namespace) -> int:
     session.refuse_sqlite_memory()
     revision = migrate(url)
     session.json({"database": shown_url(url), "revision": revision})
-    session.say(f"migrated {shown_url(url)} to revision {revision}")
+    if revision in REVISIONS or revision is None:
+        session.say(f"migrated {shown_url(url)} to revision {revision}")
+    else:
+        session.say(
+            f"{shown_url(url)} is at revision {revision}, newer than this release knows"
+            f" ({HEAD}), and says this release works on it: nothing to migrate"
+        )
     return 0
 
 

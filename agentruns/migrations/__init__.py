@@ -26,6 +26,10 @@ LEGACY_VERSION_TABLE = "alembic_version"
 # statements of the releases before it working (a table or an index of its own)
 # leaves the floor as it is; one that breaks them raises it to itself. From 0005 on.
 FLOOR_TABLE = "agentruns_schema_floor"
+# The floor HEAD leaves (a test holds the migrations to it): a migration that breaks
+# the statements of the releases before it sets the floor to itself, here and in its
+# table; one that adds a table or an index leaves both as they are.
+FLOOR = "0004"
 # A table every agentruns schema has: Alembic's default table holds agentruns'
 # revision only beside it (an application's revisions may be numbered alike).
 _RUNS = "agentruns_runs"
@@ -51,7 +55,8 @@ def schema_floor(conn: Connection) -> str | None:
     if not sa.inspect(conn).has_table(FLOOR_TABLE):
         return None
     floor = sa.table(FLOOR_TABLE, sa.column("revision", sa.String))
-    return conn.execute(sa.select(floor.c.revision)).scalar()
+    # One row; should a hand edit leave more, the newest (the strictest) counts.
+    return conn.execute(sa.select(sa.func.max(floor.c.revision))).scalar()
 
 
 def current_revision(conn: Connection) -> str | None:

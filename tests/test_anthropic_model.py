@@ -668,7 +668,7 @@ def test_an_aborted_call_carries_what_the_provider_counted_before_the_hang_up(
     fake: FakeAnthropic,
 ) -> None:
     # A cancelled or timed-out run's usage left out the call it stopped, billed for its
-    # paused turns, its input, and what had streamed of its output.
+    # paused turns and its input (the output is reported at the end of a reply).
     paused = reply(text("Searching..."), stop_reason="pause_turn", usage=usage(5000, 300))
     fake.push(paused, slow(30.0, reply(text("late"), usage=usage(3000, 50, cache_read=900))))
     outcome, _ = _aborted_while_stalled(fake, 2)

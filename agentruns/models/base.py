@@ -27,9 +27,10 @@ class ModelError(Exception):
 class ModelAborted(Exception):
     """The call was stopped because the execution's abort signal was set.
 
-    ``usage`` is what the provider counted for the call before it was stopped (its
-    paused turns, the part of a reply that had streamed, or a reply that arrived as it
-    was stopped): a cancelled, drained or timed-out run's usage includes it."""
+    ``usage`` is what the provider had reported for the call before it was stopped
+    (its paused turns, the input of the turn it stopped, or the whole of a reply that
+    arrived as it was stopped; a streamed reply's output is reported at its end): a
+    cancelled, drained or timed-out run's usage includes it."""
 
     def __init__(self, message: str, usage: Usage | None = None) -> None:
         super().__init__(message)

@@ -139,7 +139,7 @@ class AnthropicModel:
                 exc.usage = usage + (exc.usage or Usage())
                 raise
             except ModelAborted as exc:
-                # So were they, and what had streamed of this turn (or all of it).
+                # So were they, and this turn's input (or all of it, if it had ended).
                 exc.usage = usage + _aborted_usage(exc)
                 raise
             # Sent back in the continuation: a blank text block would be refused there.

@@ -200,8 +200,8 @@ class Approvals:
             raise InvalidTokenError(
                 "stale",
                 f"run {run.id} waits on approval {wait.approval_id} now (of a"
-                f" {wait.tool_name} call), not on {approval_id}: that one was answered;"
-                " look at the run again",
+                f" {wait.tool_name} call), not on {approval_id} (answered meanwhile, or"
+                f" not its id): look at the run again (agentruns show {run.id})",
             )
         return tokens.mint(self.engine.secret, run.id, wait)
 

@@ -669,7 +669,10 @@ class Engine:
         if self.store.note_retry(run.id, request_id):
             return False
         shown = request_id[:200]
-        log.info(
+        # A warning where the run stays failed: a caller that gives each retry task
+        # one fixed id (a habit for deduplicating tasks) has its later retries ignored.
+        log.log(
+            logging.WARNING if run.status is RunStatus.FAILED else logging.INFO,
             "run %s: retry %s was answered already (the run is %s now): not again",
             run.id,
             shown if shown.isprintable() else repr(shown),

@@ -137,11 +137,18 @@ class Approvals:
         pending = dict(stored or {})
         asked_again = pending_.unknown(pending.get(wait.tool_call_id))
         denied = None if approved else _denial(reason, asked_again)
-        if denied is not None and asked_again and self._recorded(run.id, wait.tool_call_id):
-            # Asked whether to call again, its earlier attempt's result was recorded
-            # since (a paused worker's, when it went on): no call is made either way,
-            # and the model gets that result, not "it may have happened".
-            denied = None
+        if denied is not None and asked_again:
+            record = engine.store.effects(run.id).get(wait.tool_call_id)
+            if record is None:
+                # Its earlier attempt said it failed since (a paused worker's call, which
+                # raised FatalToolError when it went on, and deleted its intent): the call
+                # was not made, and the model is told so, not "it may have happened".
+                denied = _denial(reason, asked_again=False)
+            elif record.done:
+                # Its earlier attempt's result was recorded since (a paused worker's,
+                # when it went on): no call is made either way, and the model gets that
+                # result.
+                denied = None
         if denied is None:
             pending[wait.tool_call_id] = pending_.approved(asked_again)
         else:
@@ -184,10 +191,6 @@ class Approvals:
             engine.published(committed)
         log.warning("run %s failed: invalid_checkpoint: %s", run.id, error.message)
         return committed.run
-
-    def _recorded(self, run_id: str, tool_call_id: str) -> bool:
-        record = self.engine.store.effects(run_id).get(tool_call_id)
-        return record is not None and record.done
 
     def token(self, run: Run, approval_id: str | None = None) -> str:
         """The current resume token of a waiting run, minted again (for an operator);

@@ -465,6 +465,32 @@ def test_denying_a_call_again_whose_first_attempt_was_recorded_since_gives_its_r
     assert wait.output is not None and wait.output["approved"] is False  # what was answered
 
 
+def test_denying_a_call_again_whose_first_attempt_said_it_failed_since_is_a_plain_denial(
+    make_engine: EngineFactory, spawn: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The paused worker's call said it failed (FatalToolError) while a person was asked
+    # whether to call again: their no told the model the call "may have happened".
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("unknown_approve", trigger({}))
+    monkeypatch.setenv("AGENTRUNS_TEST_FATAL", "charge")
+    first = spawn(run.id, pause="charge")  # charges for a second, then says it failed
+    monkeypatch.delenv("AGENTRUNS_TEST_FATAL")
+    first.wait_for_line("charge ")
+    first.proc.send_signal(signal.SIGSTOP)
+    rescuer = make_engine(AGENTS, scheduler=ManualScheduler(), requeue_after=0.5)
+    recover_when_lease_expires(rescuer, run.id)
+    assert rescuer.execute(run.id).status is RunStatus.WAITING
+    first.proc.send_signal(signal.SIGCONT)
+    assert first.proc.wait(timeout=20) == 0
+    assert rescuer.store.effects(run.id) == {}  # its intent deleted
+    rescuer.resume(rescuer.approval_token(run.id), approved=False, reason="not now")
+    assert rescuer.execute(run.id).status is RunStatus.COMPLETED
+    assert len(charge_keys(first)) == 1
+    (charge,) = [s for s in rescuer.steps(run.id) if s.kind == "tool"]
+    told = json.dumps([charge.output, charge.error])
+    assert "The call was denied: not now" in told and "may have happened" not in told
+
+
 def test_a_call_again_that_says_it_failed_leaves_the_first_attempts_outcome_unknown(
     make_engine: EngineFactory, spawn: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

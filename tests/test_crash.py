@@ -465,6 +465,40 @@ def test_denying_a_call_again_whose_first_attempt_was_recorded_since_gives_its_r
     assert wait.output is not None and wait.output["approved"] is False  # what was answered
 
 
+def test_a_call_made_again_and_its_paused_first_both_saying_they_failed_leave_no_unknown(
+    make_engine: EngineFactory, spawn: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The paused worker's call said it failed while the call a person approved was
+    # made again, which then said it failed too: it handed the intent back to the
+    # first, and a retry asked the person again about a call known to have failed.
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("unknown_approve", trigger({}))
+    monkeypatch.setenv("AGENTRUNS_TEST_FATAL", "charge")
+    first = spawn(run.id, pause="charge")  # charges for a second, then says it failed
+    monkeypatch.delenv("AGENTRUNS_TEST_FATAL")
+    first.wait_for_line("charge ")
+    first.proc.send_signal(signal.SIGSTOP)
+    rescuer = make_engine(AGENTS, scheduler=ManualScheduler(), requeue_after=0.5)
+    recover_when_lease_expires(rescuer, run.id)
+    assert rescuer.execute(run.id).status is RunStatus.WAITING  # asked whether to call again
+
+    def first_fails_meanwhile_then_this_one(name: str) -> None:
+        first.proc.send_signal(signal.SIGCONT)
+        assert first.proc.wait(timeout=20) == 0
+        raise FatalToolError("declined: nothing charged this time")
+
+    calls_as_it_does = agents.hang_here
+    monkeypatch.setattr(agents, "hang_here", first_fails_meanwhile_then_this_one)
+    rescuer.resume(rescuer.approval_token(run.id), approved=True)
+    failed = rescuer.execute(run.id)
+    assert failed.error is not None and failed.error.code == "fatal_tool_error"
+    monkeypatch.setattr(agents, "hang_here", calls_as_it_does)
+    assert rescuer.store.effects(run.id) == {}  # no attempt of unknown outcome left
+    rescuer.retry(run.id)
+    assert rescuer.execute(run.id).status is RunStatus.COMPLETED  # nobody asked again
+    assert len(charge_keys(first)) == 3
+
+
 def test_denying_a_call_again_whose_first_attempt_said_it_failed_since_is_a_plain_denial(
     make_engine: EngineFactory, spawn: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,6 +11,7 @@ import time
 import weakref
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from typing import Any
 
 import psycopg
 import pytest
@@ -94,6 +95,54 @@ def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url:
     assert store.transcript(run.id).messages == []
     assert store.renew_claim(run.id, first.epoch, soon()) is None
     assert store.renew_claim(run.id, second.epoch, soon()) is False
+    store.close()
+
+
+@pytest.mark.parametrize("url", ["db_url", "sqlite_url"])
+@pytest.mark.parametrize("case", ["handed back", "both failed", "gone before", "two back"])
+def test_an_effect_call_that_says_it_failed_hands_its_intent_back_only_to_an_unknown_one(
+    request: pytest.FixtureRequest, url: str, case: str
+) -> None:
+    # A call that raised FatalToolError after taking over an earlier attempt's intent
+    # handed it back to that attempt: also when that attempt had said it failed too
+    # (both failed), or had deleted its intent before this one began (gone before),
+    # and a person was asked about a call known to have failed.
+    store = SqlStore(request.getfixturevalue(url))
+    run, _ = store.create_run(new_run())
+
+    def attempt(owner: str) -> tuple[int, Any]:
+        claimed = store.claim(run.id, owner, utcnow() - timedelta(seconds=1))
+        assert claimed is not None
+        read = store.effects(run.id).get("toolu_1")
+        begun = store.begin_effect(run.id, claimed.epoch, "toolu_1", "charge", "key")
+        ref = next(r for r in store.sweep_candidates(utcnow()) if r.id == run.id)
+        assert store.requeue(ref) is not None  # its lease lapses: the next takes over
+        return claimed.epoch, (begun, read)
+
+    _, (first, _) = attempt("a")
+    if case == "gone before":
+        store.forget_effect(run.id, first)  # it said it failed, before the next began
+    if case == "two back":
+        _, (second, read) = attempt("b")
+        assert read is not None and read.started_at == first.started_at
+        _, (third, read_by_third) = attempt("c")
+        assert third.taken_over == second.started_at
+        store.forget_effect(run.id, second, read)  # b failed: c hands back to a
+        store.forget_effect(run.id, third, read_by_third)
+        (record,) = store.effects(run.id).values()
+        assert not record.done and record.started_at == first.started_at
+        store.close()
+        return
+    _, (again, read) = attempt("b")
+    if case == "both failed":
+        store.forget_effect(run.id, first)  # the paused first one went on, and failed
+    store.forget_effect(run.id, again, read)
+    left = store.effects(run.id)
+    if case == "handed back":  # the first's outcome is unknown still
+        assert again.taken_over == first.started_at
+        assert [(r.done, r.started_at) for r in left.values()] == [(False, first.started_at)]
+    else:
+        assert left == {}  # no attempt whose outcome is unknown
     store.close()
 
 

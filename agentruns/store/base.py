@@ -160,6 +160,8 @@ class EffectRecord:
     is_error: bool
     # When the last attempt of the call began: the attempt a result's record names.
     started_at: datetime | None = None
+    # When the attempt it took over began (its outcome unknown), if it took one over.
+    taken_over: datetime | None = None
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from agentruns.runs import RunStatus, utcnow
 from agentruns.store import schema
 from agentruns.store.base import EffectRecord
 from agentruns.store.queries import insert, status_of_one
+from agentruns.store.rows import aware
 
 log = logging.getLogger("agentruns")
 
@@ -100,7 +101,11 @@ class Effects:
                 conn.execute(
                     intent.on_conflict_do_update(
                         index_elements=["run_id", "tool_call_id"],
-                        set_={"started_at": intent.excluded.started_at},
+                        # (Both from the row as it was.)
+                        set_={
+                            "started_at": intent.excluded.started_at,
+                            "taken_over": E.c.started_at,
+                        },
                         where=E.c.status == "started",
                     ).returning(*E.c)
                 )
@@ -183,19 +188,44 @@ class Effects:
         tool raised ``FatalToolError``, saying the call failed, and the run fails with
         it. Its intent is deleted: a retry of the run calls it again (with the same
         idempotency key), as it does a tool that is no effect, instead of taking its
-        outcome for unknown. But if an earlier attempt left the intent (``earlier``,
-        its outcome unknown), the intent is that attempt's again: its outcome stays
-        unknown, and its worker, if it lost the run and goes on, records its result
-        (deleted, a retry called a third time; left as this attempt's, that worker's
-        result was refused, and a person asked again about a call that had happened).
-        Not an intent a later attempt made its own (the run's new holder's)."""
-        mine = E.c.run_id == run_id, E.c.tool_call_id == begun.tool_call_id
-        this_attempt = (*mine, E.c.status == "started", E.c.started_at == begun.started_at)
+        outcome for unknown. But if it took over an earlier attempt's intent, whose
+        outcome is unknown (``taken_over``), the intent is that attempt's again: its
+        outcome stays unknown, and its worker, if it lost the run and goes on, records
+        its result (deleted, a retry called a third time; left as this attempt's, that
+        worker's result was refused, and a person asked again about a call that had
+        happened). ``earlier`` is the record this attempt read before it began: the
+        attempt handed back to had taken over one too, or it is the one this attempt
+        took over.
+
+        An attempt a later one took over (the run's new holder's) that says it failed
+        leaves that attempt nothing to hand back to (or what it had taken over): a
+        person was asked again about a call known to have failed, once both said so.
+        Nothing is said of an intent that is neither (of an attempt two takeovers ago):
+        its outcome stays unknown."""
+        mine = (
+            E.c.run_id == run_id,
+            E.c.tool_call_id == begun.tool_call_id,
+            E.c.status == "started",
+        )
+        current = (*mine, E.c.started_at == begun.started_at)
+        deeper: Any = sa.null()
+        if earlier is not None and earlier.taken_over is not None:
+            deeper = sa.case((E.c.taken_over == earlier.started_at, earlier.taken_over), else_=None)
         with self._atomic.begin() as conn:
-            if earlier is None:
-                conn.execute(E.delete().where(*this_attempt))
-            else:
-                conn.execute(E.update().where(*this_attempt).values(started_at=earlier.started_at))
+            if conn.execute(E.delete().where(*current, E.c.taken_over.is_(None))).rowcount:
+                return
+            handed_back = conn.execute(
+                E.update()
+                .where(*current, E.c.taken_over.is_not(None))
+                .values(started_at=E.c.taken_over, taken_over=deeper)
+            )
+            if handed_back.rowcount:
+                return
+            # Taken over since: that attempt hands back to what this one had taken over.
+            had = earlier.started_at if earlier is not None else None
+            conn.execute(
+                E.update().where(*mine, E.c.taken_over == begun.started_at).values(taken_over=had)
+            )
 
 
 def _late(run_id: str, begun: EffectRecord, recorded: bool) -> str:
@@ -222,5 +252,6 @@ def _record(row: RowMapping) -> EffectRecord:
         done=row["status"] == "done",
         result=row["result"],
         is_error=row["is_error"],
-        started_at=row["started_at"],
+        started_at=aware(row["started_at"]),
+        taken_over=aware(row["taken_over"]),
     )

@@ -234,4 +234,8 @@ effects = sa.Table(
     sa.Column("is_error", sa.Boolean, nullable=False, server_default=sa.false()),
     sa.Column("started_at", TS, nullable=False),
     sa.Column("finished_at", TS),
+    # The started_at of the attempt the last one took over, while its outcome is
+    # unknown: an attempt that says it failed (FatalToolError) hands the intent back
+    # to it; none (a first attempt, or one that said it failed too), it is deleted.
+    sa.Column("taken_over", TS),
 )

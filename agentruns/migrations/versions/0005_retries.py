@@ -7,7 +7,11 @@ And the schema's floor: the oldest revision whose releases work on the database
 floor is 0004; releases from this one on read it, and keep working on a database a
 later migration that leaves it so brought past what they know.
 
-Tables of their own, so workers of the release before keep working beside them.
+And each effect record's ``taken_over``: the attempt its last one took over, for an
+attempt that says it failed (FatalToolError) to hand the intent back to, or not.
+
+Tables of their own and a column the release before never reads, so its workers keep
+working beside them.
 
 Revision ID: 0005
 Revises: 0004
@@ -38,8 +42,10 @@ def upgrade() -> None:
         sa.Column("revision", sa.String(32), primary_key=True),
     )
     op.bulk_insert(floor, [{"revision": "0004"}])
+    op.add_column("agentruns_effects", sa.Column("taken_over", sa.DateTime(timezone=True)))
 
 
 def downgrade() -> None:
+    op.drop_column("agentruns_effects", "taken_over")
     op.drop_table("agentruns_schema_floor")
     op.drop_table("agentruns_retries")

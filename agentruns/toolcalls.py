@@ -164,10 +164,10 @@ class ToolCaller:
         try:
             outcome = _invoke(tool, arguments, ctx)
         except FatalToolError:
-            # An earlier attempt's intent (``record``) goes back to it: this one's failure
-            # does not tell its outcome, so a retry takes it for unknown again (a person
-            # who approved this attempt approved it, not the next).
-            self._forget(begun, record)
+            # An earlier attempt's intent this one took over goes back to it: this one's
+            # failure does not tell its outcome, so a retry takes it for unknown again
+            # (a person who approved this attempt approved it, not the next).
+            self._forget(begun)
             raise
         recorded = outcome.output if not outcome.is_error else outcome.content
         if self.store.finish_effect(self.run_id, self.epoch, begun, recorded, outcome.is_error):
@@ -181,13 +181,13 @@ class ToolCaller:
         if not self.holds_lease():
             raise LeaseLostError(self.run_id)
 
-    def _forget(self, begun: EffectRecord, earlier: EffectRecord | None) -> None:
+    def _forget(self, begun: EffectRecord) -> None:
         """The tool said its call failed (``FatalToolError``): no outcome to keep, so a
-        retry of the run calls it again, unless an ``earlier`` attempt's outcome is
-        unknown (``Effects.forget``). If the intent cannot be deleted (an outage), it
-        stays, and a retry takes the call's outcome for unknown."""
+        retry of the run calls it again, unless the outcome of an earlier attempt it
+        took over is unknown (``Effects.forget``). If the intent cannot be deleted (an
+        outage), it stays, and a retry takes the call's outcome for unknown."""
         try:
-            self.store.forget_effect(self.run_id, begun, earlier)
+            self.store.forget_effect(self.run_id, begun)
         except Exception as exc:
             log.warning(
                 "run %s: could not delete the intent of effect call %s that raised"

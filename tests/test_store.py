@@ -99,50 +99,78 @@ def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url:
 
 
 @pytest.mark.parametrize("url", ["db_url", "sqlite_url"])
-@pytest.mark.parametrize("case", ["handed back", "both failed", "gone before", "two back"])
+@pytest.mark.parametrize(
+    "case", ["handed back", "both failed", "gone before", "two back", "three back", "sent again"]
+)
 def test_an_effect_call_that_says_it_failed_hands_its_intent_back_only_to_an_unknown_one(
     request: pytest.FixtureRequest, url: str, case: str
 ) -> None:
     # A call that raised FatalToolError after taking over an earlier attempt's intent
     # handed it back to that attempt: also when that attempt had said it failed too
     # (both failed), or had deleted its intent before this one began (gone before),
-    # and a person was asked about a call known to have failed.
+    # and a person was asked about a call known to have failed. Handing back by what
+    # it had read before it began, it lost a level of a chain that changed meanwhile,
+    # and a later failure deleted an intent whose outcome was unknown (three back).
     store = SqlStore(request.getfixturevalue(url))
     run, _ = store.create_run(new_run())
 
-    def attempt(owner: str) -> tuple[int, Any]:
+    def claim(owner: str) -> int:
         claimed = store.claim(run.id, owner, utcnow() - timedelta(seconds=1))
         assert claimed is not None
-        read = store.effects(run.id).get("toolu_1")
-        begun = store.begin_effect(run.id, claimed.epoch, "toolu_1", "charge", "key")
-        ref = next(r for r in store.sweep_candidates(utcnow()) if r.id == run.id)
-        assert store.requeue(ref) is not None  # its lease lapses: the next takes over
-        return claimed.epoch, (begun, read)
+        return claimed.epoch
 
-    _, (first, _) = attempt("a")
+    def lapse() -> None:  # its lease lapses: the next takes over
+        ref = next(r for r in store.sweep_candidates(utcnow()) if r.id == run.id)
+        assert store.requeue(ref) is not None
+
+    def attempt(owner: str) -> Any:
+        begun = store.begin_effect(run.id, claim(owner), "toolu_1", "charge", "key")
+        lapse()
+        return begun
+
+    def left() -> list[tuple[bool, datetime | None]]:
+        return [(r.done, r.started_at) for r in store.effects(run.id).values()]
+
+    first = attempt("a")
     if case == "gone before":
         store.forget_effect(run.id, first)  # it said it failed, before the next began
-    if case == "two back":
-        _, (second, read) = attempt("b")
-        assert read is not None and read.started_at == first.started_at
-        _, (third, read_by_third) = attempt("c")
-        assert third.taken_over == second.started_at
-        store.forget_effect(run.id, second, read)  # b failed: c hands back to a
-        store.forget_effect(run.id, third, read_by_third)
-        (record,) = store.effects(run.id).values()
-        assert not record.done and record.started_at == first.started_at
+    if case in ("two back", "three back"):
+        second, third = attempt("b"), attempt("c")
+        assert (third.taken_over, third.beneath) == (second.started_at, first.started_at)
+        if case == "two back":
+            store.forget_effect(run.id, second)  # b failed: c hands back to a
+            store.forget_effect(run.id, third)
+            assert left() == [(False, first.started_at)]
+        else:
+            epoch = claim("d")  # d reads c's intent; c fails before d begins
+            store.forget_effect(run.id, third)
+            fourth = store.begin_effect(run.id, epoch, "toolu_1", "charge", "key")
+            assert (fourth.taken_over, fourth.beneath) == (second.started_at, first.started_at)
+            store.forget_effect(run.id, fourth)  # back to b, which had taken a over
+            store.forget_effect(run.id, second)  # b fails: back to a, unknown
+            assert left() == [(False, first.started_at)]
         store.close()
         return
-    _, (again, read) = attempt("b")
+    if case == "sent again":
+        # begin's first try committed, its reply lost, and it was sent again: the
+        # intent it left is its own, not an attempt of unknown outcome to hand back to.
+        epoch, now = claim("b"), utcnow()
+        for _ in range(2):
+            again = store._effects._begin(run.id, epoch, "toolu_1", "charge", "key", now)
+        assert (again.taken_over, again.beneath) == (first.started_at, None)
+        store.forget_effect(run.id, again)
+        assert left() == [(False, first.started_at)]
+        store.close()
+        return
+    again = attempt("b")
     if case == "both failed":
         store.forget_effect(run.id, first)  # the paused first one went on, and failed
-    store.forget_effect(run.id, again, read)
-    left = store.effects(run.id)
+    store.forget_effect(run.id, again)
     if case == "handed back":  # the first's outcome is unknown still
         assert again.taken_over == first.started_at
-        assert [(r.done, r.started_at) for r in left.values()] == [(False, first.started_at)]
+        assert left() == [(False, first.started_at)]
     else:
-        assert left == {}  # no attempt whose outcome is unknown
+        assert left() == []  # no attempt whose outcome is unknown
     store.close()
 
 

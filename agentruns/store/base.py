@@ -162,6 +162,8 @@ class EffectRecord:
     started_at: datetime | None = None
     # When the attempt it took over began (its outcome unknown), if it took one over.
     taken_over: datetime | None = None
+    # Of the record ``begin`` returns: what that attempt had taken over, then.
+    beneath: datetime | None = None
 
 
 @dataclass(frozen=True)
@@ -264,9 +266,7 @@ class Store(Protocol):
     def begin_effect(
         self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
     ) -> EffectRecord: ...
-    def forget_effect(
-        self, run_id: str, begun: EffectRecord, earlier: EffectRecord | None = None
-    ) -> None: ...
+    def forget_effect(self, run_id: str, begun: EffectRecord) -> None: ...
     def finish_effect(
         self, run_id: str, epoch: int, begun: EffectRecord, result: Any, is_error: bool
     ) -> bool: ...

@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
@@ -75,20 +76,34 @@ class Effects:
         Sent once more on a new connection if its connection was gone: a first try
         that committed, its reply lost, left an intent the next execution took for
         an attempt whose outcome is unknown, though no call was made. A second try
-        makes that intent this attempt's."""
+        makes that intent this attempt's (with the same time: it took none over).
+
+        The record begun says which attempt this one took over (``taken_over``) and
+        which that one had (``beneath``), as they were: an attempt that says its call
+        failed hands the intent back by them (``forget``)."""
+        now = utcnow()
         try:
-            return self._begin(run_id, epoch, tool_call_id, tool_name, key)
+            return self._begin(run_id, epoch, tool_call_id, tool_name, key, now)
         except sa.exc.OperationalError as exc:
             if not exc.connection_invalidated:
                 raise
-            return self._begin(run_id, epoch, tool_call_id, tool_name, key)
+            return self._begin(run_id, epoch, tool_call_id, tool_name, key, now)
 
     def _begin(
-        self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str
+        self, run_id: str, epoch: int, tool_call_id: str, tool_name: str, key: str, now: datetime
     ) -> EffectRecord:
-        now = utcnow()
         with self._atomic.begin() as conn:
             self._fence(conn, run_id, epoch)
+            # The intent this one takes over, as it is (locked: it stays so until then).
+            before = (
+                conn.execute(
+                    sa.select(E.c.status, E.c.started_at, E.c.taken_over)
+                    .where(E.c.run_id == run_id, E.c.tool_call_id == tool_call_id)
+                    .with_for_update()
+                )
+                .mappings()
+                .first()
+            )
             intent = insert(E, self._atomic.dialect.name).values(
                 run_id=run_id,
                 tool_call_id=tool_call_id,
@@ -101,10 +116,14 @@ class Effects:
                 conn.execute(
                     intent.on_conflict_do_update(
                         index_elements=["run_id", "tool_call_id"],
-                        # (Both from the row as it was.)
+                        # (Both from the row as it was.) Its own first try's intent (a
+                        # reply lost) it takes nothing over from.
                         set_={
                             "started_at": intent.excluded.started_at,
-                            "taken_over": E.c.started_at,
+                            "taken_over": sa.case(
+                                (E.c.started_at == intent.excluded.started_at, E.c.taken_over),
+                                else_=E.c.started_at,
+                            ),
                         },
                         where=E.c.status == "started",
                     ).returning(*E.c)
@@ -113,7 +132,9 @@ class Effects:
                 .first()
             )
             if row is not None:  # this attempt's intent: named by the very value bound
-                return dataclasses.replace(_record(row), started_at=now)
+                took_over = before is not None and aware(before["started_at"]) != now
+                beneath = aware(before["taken_over"]) if before is not None and took_over else None
+                return dataclasses.replace(_record(row), started_at=now, beneath=beneath)
             done = sa.select(E).where(E.c.run_id == run_id, E.c.tool_call_id == tool_call_id)
             return _record(conn.execute(done).mappings().one())
 
@@ -183,25 +204,24 @@ class Effects:
                 time.sleep(pause)
         raise AssertionError("unreachable: the tries end by returning or raising")
 
-    def forget(self, run_id: str, begun: EffectRecord, earlier: EffectRecord | None) -> None:
+    def forget(self, run_id: str, begun: EffectRecord) -> None:
         """Forget the attempt ``begin`` recorded (``begun``), still without a result: its
         tool raised ``FatalToolError``, saying the call failed, and the run fails with
         it. Its intent is deleted: a retry of the run calls it again (with the same
         idempotency key), as it does a tool that is no effect, instead of taking its
         outcome for unknown. But if it took over an earlier attempt's intent, whose
-        outcome is unknown (``taken_over``), the intent is that attempt's again: its
-        outcome stays unknown, and its worker, if it lost the run and goes on, records
-        its result (deleted, a retry called a third time; left as this attempt's, that
+        outcome is unknown (``taken_over``), the intent is that attempt's again, with
+        what that one had taken over (``beneath``, as ``begin`` found it): its outcome
+        stays unknown, and its worker, if it lost the run and goes on, records its
+        result (deleted, a retry called a third time; left as this attempt's, that
         worker's result was refused, and a person asked again about a call that had
-        happened). ``earlier`` is the record this attempt read before it began: the
-        attempt handed back to had taken over one too, or it is the one this attempt
-        took over.
+        happened).
 
         An attempt a later one took over (the run's new holder's) that says it failed
-        leaves that attempt nothing to hand back to (or what it had taken over): a
-        person was asked again about a call known to have failed, once both said so.
-        Nothing is said of an intent that is neither (of an attempt two takeovers ago):
-        its outcome stays unknown."""
+        leaves that attempt what this one had taken over to hand back to, if anything:
+        a person was asked again about a call known to have failed, once both said
+        so. Nothing is said of an intent that is neither (of an attempt two takeovers
+        ago): its outcome stays unknown."""
         mine = (
             E.c.run_id == run_id,
             E.c.tool_call_id == begun.tool_call_id,
@@ -209,8 +229,9 @@ class Effects:
         )
         current = (*mine, E.c.started_at == begun.started_at)
         deeper: Any = sa.null()
-        if earlier is not None and earlier.taken_over is not None:
-            deeper = sa.case((E.c.taken_over == earlier.started_at, earlier.taken_over), else_=None)
+        if begun.taken_over is not None and begun.beneath is not None:
+            # (Unless the one taken over said since that it failed: see below.)
+            deeper = sa.case((E.c.taken_over == begun.taken_over, begun.beneath), else_=None)
         with self._atomic.begin() as conn:
             if conn.execute(E.delete().where(*current, E.c.taken_over.is_(None))).rowcount:
                 return
@@ -222,9 +243,10 @@ class Effects:
             if handed_back.rowcount:
                 return
             # Taken over since: that attempt hands back to what this one had taken over.
-            had = earlier.started_at if earlier is not None else None
             conn.execute(
-                E.update().where(*mine, E.c.taken_over == begun.started_at).values(taken_over=had)
+                E.update()
+                .where(*mine, E.c.taken_over == begun.started_at)
+                .values(taken_over=begun.taken_over)
             )
 
 

@@ -615,10 +615,8 @@ class SqlStore:
     ) -> EffectRecord:
         return self._effects.begin(run_id, epoch, tool_call_id, tool_name, key)
 
-    def forget_effect(
-        self, run_id: str, begun: EffectRecord, earlier: EffectRecord | None = None
-    ) -> None:
-        return self._effects.forget(run_id, begun, earlier)
+    def forget_effect(self, run_id: str, begun: EffectRecord) -> None:
+        return self._effects.forget(run_id, begun)
 
     def finish_effect(
         self, run_id: str, epoch: int, begun: EffectRecord, result: Any, is_error: bool

@@ -219,6 +219,24 @@ def stopped_inside_the_charge(
     return rescuer, run, helper
 
 
+def stopped_before_its_charge_fails(
+    make_engine: EngineFactory, spawn: Any, monkeypatch: pytest.MonkeyPatch
+) -> tuple[Engine, Run, Helper]:
+    """A run of ``unknown_approve`` whose process is stopped (SIGSTOP) inside its charge,
+    which takes a second and then raises FatalToolError (its call failed), and a rescuer
+    (which executes only when the test says) once its lease expired."""
+    producer = make_engine(AGENTS, scheduler=ManualScheduler())
+    run = producer.dispatch("unknown_approve", trigger({}))
+    monkeypatch.setenv("AGENTRUNS_TEST_FATAL", "charge")
+    first = spawn(run.id, pause="charge")
+    monkeypatch.delenv("AGENTRUNS_TEST_FATAL")
+    first.wait_for_line("charge ")
+    first.proc.send_signal(signal.SIGSTOP)
+    rescuer = make_engine(AGENTS, scheduler=ManualScheduler(), requeue_after=0.5)
+    recover_when_lease_expires(rescuer, run.id)
+    return rescuer, run, first
+
+
 def test_a_stopped_owner_starts_no_call_once_it_goes_on_past_its_lease(
     make_engine: EngineFactory, spawn: Any
 ) -> None:
@@ -303,15 +321,7 @@ def test_an_intent_its_stopped_owner_forgot_meanwhile_is_not_taken_for_unknown(
     # intent after the run's new holder had read it: the holder's read again found
     # none, fell back on what it had read, and asked a person whether a call known to
     # have failed had happened.
-    producer = make_engine(AGENTS, scheduler=ManualScheduler())
-    run = producer.dispatch("unknown_approve", trigger({}))
-    monkeypatch.setenv("AGENTRUNS_TEST_FATAL", "charge")
-    first = spawn(run.id, pause="charge")  # charges for a second, then says it failed
-    monkeypatch.delenv("AGENTRUNS_TEST_FATAL")
-    first.wait_for_line("charge ")
-    first.proc.send_signal(signal.SIGSTOP)
-    rescuer = make_engine(AGENTS, scheduler=ManualScheduler(), requeue_after=0.5)
-    recover_when_lease_expires(rescuer, run.id)
+    rescuer, run, first = stopped_before_its_charge_fails(make_engine, spawn, monkeypatch)
     reads = rescuer.store.effects
 
     def read_then_let_the_first_go_on(run_id: str) -> Any:
@@ -471,15 +481,7 @@ def test_a_call_made_again_and_its_paused_first_both_saying_they_failed_leave_no
     # The paused worker's call said it failed while the call a person approved was
     # made again, which then said it failed too: it handed the intent back to the
     # first, and a retry asked the person again about a call known to have failed.
-    producer = make_engine(AGENTS, scheduler=ManualScheduler())
-    run = producer.dispatch("unknown_approve", trigger({}))
-    monkeypatch.setenv("AGENTRUNS_TEST_FATAL", "charge")
-    first = spawn(run.id, pause="charge")  # charges for a second, then says it failed
-    monkeypatch.delenv("AGENTRUNS_TEST_FATAL")
-    first.wait_for_line("charge ")
-    first.proc.send_signal(signal.SIGSTOP)
-    rescuer = make_engine(AGENTS, scheduler=ManualScheduler(), requeue_after=0.5)
-    recover_when_lease_expires(rescuer, run.id)
+    rescuer, run, first = stopped_before_its_charge_fails(make_engine, spawn, monkeypatch)
     assert rescuer.execute(run.id).status is RunStatus.WAITING  # asked whether to call again
 
     def first_fails_meanwhile_then_this_one(name: str) -> None:
@@ -504,15 +506,7 @@ def test_denying_a_call_again_whose_first_attempt_said_it_failed_since_is_a_plai
 ) -> None:
     # The paused worker's call said it failed (FatalToolError) while a person was asked
     # whether to call again: their no told the model the call "may have happened".
-    producer = make_engine(AGENTS, scheduler=ManualScheduler())
-    run = producer.dispatch("unknown_approve", trigger({}))
-    monkeypatch.setenv("AGENTRUNS_TEST_FATAL", "charge")
-    first = spawn(run.id, pause="charge")  # charges for a second, then says it failed
-    monkeypatch.delenv("AGENTRUNS_TEST_FATAL")
-    first.wait_for_line("charge ")
-    first.proc.send_signal(signal.SIGSTOP)
-    rescuer = make_engine(AGENTS, scheduler=ManualScheduler(), requeue_after=0.5)
-    recover_when_lease_expires(rescuer, run.id)
+    rescuer, run, first = stopped_before_its_charge_fails(make_engine, spawn, monkeypatch)
     assert rescuer.execute(run.id).status is RunStatus.WAITING
     first.proc.send_signal(signal.SIGCONT)
     assert first.proc.wait(timeout=20) == 0

@@ -16,7 +16,7 @@ from agentruns.migrations import (
     VERSION_TABLE,
     current_revision,
     legacy_revision,
-    schema_floor,
+    works_here,
 )
 from agentruns.store.connect import make_engine
 
@@ -70,7 +70,7 @@ def _migrate(engine: sa.Engine, lock_timeout: float) -> str | None:
                 {"ms": f"{max(1, round(lock_timeout * 1000))}ms"},
             )
         current = current_revision(conn)
-        if current is not None and current not in REVISIONS and schema_floor(conn) in REVISIONS:
+        if works_here(conn, current) is not None:
             # A newer release migrated it, and says this one works on it: nothing to do
             # (a deploy rolled back, whose services wait on migrate to succeed).
             return current

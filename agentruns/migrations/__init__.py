@@ -59,6 +59,15 @@ def schema_floor(conn: Connection) -> str | None:
     return conn.execute(sa.select(sa.func.max(floor.c.revision))).scalar()
 
 
+def works_here(conn: Connection, current: str | None) -> str | None:
+    """The floor, if the database is at a revision this release does not know (a newer
+    release migrated it) and says this release works on it; else None."""
+    if current is None or current in REVISIONS:
+        return None
+    floor = schema_floor(conn)
+    return floor if floor in REVISIONS else None
+
+
 def current_revision(conn: Connection) -> str | None:
     """The revision the database is at; ``None`` if it was never migrated."""
     if sa.inspect(conn).has_table(VERSION_TABLE):

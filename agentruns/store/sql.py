@@ -25,7 +25,7 @@ from agentruns.errors import (
     NotMigratedError,
     RunNotFoundError,
 )
-from agentruns.migrations import HEAD, REVISIONS, current_revision, schema_floor
+from agentruns.migrations import HEAD, REVISIONS, current_revision, works_here
 from agentruns.runs import (
     Budget,
     Checkpoint,
@@ -165,12 +165,10 @@ class SqlStore:
                 f"the database {self._safe_url()} does not exist: run `agentruns migrate`"
                 " to create it (or check its URL)"
             )
-        floor = None
         try:
             with self._reads.connect() as conn:
                 current = current_revision(conn)
-                if current is not None and current not in REVISIONS:
-                    floor = schema_floor(conn)
+                floor = works_here(conn, current)
         except (OperationalError, ProgrammingError) as exc:
             if isinstance(exc, OperationalError) and (
                 exc.connection_invalidated or exc.statement in (None, "connect")
@@ -179,7 +177,7 @@ class SqlStore:
             raise NotMigratedError(
                 f"cannot read the schema version of {self._safe_url()}: {exc.orig}"
             ) from exc
-        if current is not None and current not in REVISIONS and floor in REVISIONS:
+        if floor is not None:
             # A newer release migrated it, and says this one's statements still work.
             log.info(
                 "the database %s is at schema %s, newer than this release of agentruns"

@@ -7,7 +7,9 @@ from __future__ import annotations
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.engine import Connection, RowMapping
 
+from agentruns.errors import RunNotFoundError
 from agentruns.runs import RunStatus
 from agentruns.store import schema
 
@@ -94,3 +96,11 @@ def claimable(run_id: str) -> Any:
         in_turn(),
         sa.or_(R.c.concurrency_key.is_(None), key_free),
     )
+
+
+def run_row(conn: Connection, run_id: str) -> RowMapping:
+    """The run's row, read on ``conn``; ``RunNotFoundError`` if there is none."""
+    row = conn.execute(sa.select(R).where(R.c.id == run_id)).mappings().first()
+    if row is None:
+        raise RunNotFoundError(run_id)
+    return row

@@ -1,20 +1,19 @@
 """SqlStore: the store on Postgres, or SQLite embedded, and the engine's only way to
 the database. The package's other modules are its parts: the hot-path writes
 (``postgres.py``, ``transactions.py``), the effect records (``effects.py``),
+the sweeps' reads and requeues (``sweeps.py``), the retries (``retries.py``),
 connections (``connect.py``, ``held.py``), the tables (``schema.py``), the query
 fragments both databases share (``queries.py``) and the read of a thread's history
 (``history.py``)."""
 
 from __future__ import annotations
 
-import hashlib
 import logging
 from collections.abc import Iterable, Sequence
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 import sqlalchemy as sa
-from psycopg.errors import LockNotAvailable
 from sqlalchemy.engine import Connection, RowMapping
 from sqlalchemy.exc import OperationalError, ProgrammingError
 
@@ -51,7 +50,8 @@ from agentruns.store.base import (
 from agentruns.store.connect import READ_ONLY, make_engine, missing_sqlite_file, shown_url
 from agentruns.store.effects import Effects
 from agentruns.store.postgres import Statements
-from agentruns.store.queries import claimable, in_line, in_turn, insert, literal, status_of_one
+from agentruns.store.queries import claimable, literal, run_row, status_of_one
+from agentruns.store.retries import Retries
 from agentruns.store.rows import (
     aware,
     first_problem,
@@ -61,70 +61,15 @@ from agentruns.store.rows import (
     run_updated,
     step_from_row,
 )
+from agentruns.store.sweeps import Sweeps
 from agentruns.store.transactions import Transactions
 
 log = logging.getLogger("agentruns")
 
 R = schema.runs
 S = schema.steps
-E = schema.effects
-C = schema.crashes
-RQ = schema.retries
-# A run's count of losses, while it is at the step they were counted at.
-_LOST_AT_ITS_STEP = sa.and_(C.c.run_id == R.c.id, C.c.at_step == R.c.step_count)
-
 
 _NOT_FINAL = [status.value for status in RunStatus if not status.is_final]
-
-# How long a sweep's requeue waits for a run's row another session holds.
-_SWEEP_LOCK_WAIT_MS = 2000
-
-
-# What the sweeps read of runs: with the losses counted at the run's step (none,
-# for most runs; 0 once it got on, or was drained).
-_REFS = sa.select(
-    R.c.id,
-    R.c.status,
-    R.c.epoch,
-    R.c.updated_at,
-    R.c.claim_expires_at,
-    R.c.step_count,
-    R.c.cancel_requested,
-    sa.func.coalesce(C.c.times, 0).label("losses"),
-).select_from(R.outerjoin(C, _LOST_AT_ITS_STEP))
-
-
-def _started_after(run: Any) -> Any:
-    """The runs of ``run``'s thread created after it that have started, and those that
-    started after it did, oldest first (a run of a thread starts from the thread's
-    completed runs as they then are). The second are runs stored late: created
-    before it, committed after it had started (a write that waited on a lock)."""
-    later = R.alias("later")
-    return (
-        sa.select(later.c.id)
-        .where(
-            later.c.thread == run.c.thread,
-            sa.or_(
-                sa.tuple_(later.c.created_at, later.c.id) > sa.tuple_(run.c.created_at, run.c.id),
-                later.c.started_at > run.c.started_at,
-            ),
-            later.c.started_at.is_not(None),  # claimed once (not one cancelled queued)
-        )
-        .order_by(later.c.created_at, later.c.id)
-    )
-
-
-def _ref(r: RowMapping) -> RunRef:
-    return RunRef(
-        id=r["id"],
-        status=RunStatus(r["status"]),
-        epoch=r["epoch"],
-        updated_at=aware(r["updated_at"]) or utcnow(),
-        claim_expires_at=aware(r["claim_expires_at"]),
-        step=r["step_count"],
-        losses=r["losses"],
-        cancel_requested=r["cancel_requested"],
-    )
 
 
 class SqlStore:
@@ -152,6 +97,8 @@ class SqlStore:
         # Every ``connect()`` block of this module reads, and only reads.
         self._reads = self.engine.execution_options(**{READ_ONLY: True})
         self._effects = Effects(self._reads, self._atomic)
+        self._sweeps = Sweeps(self._reads, self._atomic, self.engine)
+        self._retries = Retries(self._reads, self._atomic, self.engine)
         self._checked = False
 
     # -- schema ------------------------------------------------------------
@@ -258,9 +205,6 @@ class SqlStore:
         start = self._transcript_of(row, [])
         return Claimed(run=run_from_row(row), epoch=row["epoch"], transcript=start)
 
-    def _insert(self, table: sa.Table) -> Any:
-        return insert(table, self.engine.dialect.name)
-
     def get_run(self, run_id: str) -> Run:
         with self._reads.connect() as conn:
             row = conn.execute(sa.select(R).where(R.c.id == run_id)).mappings().first()
@@ -303,23 +247,17 @@ class SqlStore:
         """The run's steps from index ``start`` on (a watcher reads only those it has
         not shown: a long run's whole list on every step made following it quadratic)."""
         with self._reads.connect() as conn:
-            key = self._require(conn, run_id)["key"]
+            key = run_row(conn, run_id)["key"]
             query = sa.select(S).where(S.c.run_key == key)
             if start:
                 query = query.where(S.c.idx >= start)
             rows = conn.execute(query.order_by(S.c.idx))
             return [step_from_row(run_id, r) for r in rows.mappings()]
 
-    def _require(self, conn: Connection, run_id: str) -> RowMapping:
-        row = conn.execute(sa.select(R).where(R.c.id == run_id)).mappings().first()
-        if row is None:
-            raise RunNotFoundError(run_id)
-        return row
-
     def checkpoint(self, run_id: str) -> Checkpoint | None:
         try:
             with self._reads.connect() as conn:
-                row = self._require(conn, run_id)
+                row = run_row(conn, run_id)
                 if row["checkpoint_step"] is None:
                     return None
                 messages = history.messages(conn, row["key"], row["checkpoint_messages"])
@@ -338,7 +276,7 @@ class SqlStore:
 
     def transcript(self, run_id: str) -> Transcript:
         with self._reads.connect() as conn:
-            return self._transcript(conn, self._require(conn, run_id))
+            return self._transcript(conn, run_row(conn, run_id))
 
     def _transcript(self, conn: Connection, row: RowMapping) -> Transcript:
         # A run with no stored messages yet needs no query for them.
@@ -516,92 +454,23 @@ class SqlStore:
                 .mappings()
                 .first()
             )
-            return run_from_row(row if row is not None else self._require(conn, run_id))
+            return run_from_row(row if row is not None else run_row(conn, run_id))
+
+    # -- retries (retries.py) --------------------------------------------------
 
     def retry(
         self, run_id: str, budget: Budget | None = None, request_id: str | None = None
     ) -> tuple[Run, bool]:
-        """Queue a failed run again, as it stands (its checkpoint, steps, pending answers,
-        effect records and usage kept; its budget replaced by ``budget`` if given): the
-        run, and whether this retried it (False: it is not failed, or a later run of its
-        thread has started: it went on from the thread's runs before this one; or
-        ``request_id``, the request asking, was answered already: ``note_retry``).
-
-        One statement decides: two retries queue the run once. A request that queues
-        the run is noted with it, in one transaction."""
-        try:
-            with self._atomic.begin() as conn:
-                return self._retry(conn, run_id, budget, request_id)
-        except _AnsweredAlready:  # rolled back
-            return self.get_run(run_id), False
-
-    def _retry(
-        self, conn: Connection, run_id: str, budget: Budget | None, request_id: str | None
-    ) -> tuple[Run, bool]:
-        went_on = sa.exists(_started_after(R).with_only_columns(sa.literal(1)))
-        asked = () if request_id is None else (~_noted(run_id, request_id),)
-        queued = R.update().where(
-            R.c.id == run_id,
-            status_of_one == RunStatus.FAILED.value,
-            sa.or_(R.c.thread.is_(None), ~went_on),
-            *asked,
-        )
-        row = (
-            conn.execute(
-                queued.values(
-                    status=RunStatus.QUEUED.value,
-                    error=sa.null(),
-                    output=None,
-                    cancel_requested=False,
-                    claim_owner=None,
-                    claim_expires_at=None,
-                    updated_at=utcnow(),
-                    finished_at=None,
-                    **({} if budget is None else {"budget": budget.model_dump(mode="json")}),
-                ).returning(*R.c)
-            )
-            .mappings()
-            .first()
-        )
-        if row is None:
-            return run_from_row(self._require(conn, run_id)), False
-        # Another try of the request noted it since this statement's snapshot (it
-        # queued the run, which then failed again, while this waited on its row):
-        # answered already, and this retry is undone.
-        if request_id is not None and not self._note(conn, run_id, request_id):
-            raise _AnsweredAlready
-        return run_from_row(row), True
+        return self._retries.retry(run_id, budget, request_id)
 
     def note_retry(self, run_id: str, request_id: str) -> bool:
-        """Note that the request ``request_id`` was answered (the run nudged, or the
-        retry refused): False if it was already, in the last ``RETRY_REQUEST_DAYS``."""
-        with self._atomic.begin() as conn:
-            return self._note(conn, run_id, request_id)
-
-    def _note(self, conn: Connection, run_id: str, request_id: str) -> bool:
-        now = utcnow()
-        insert = self._insert(RQ).values(run_id=run_id, request_id=_request(request_id), at=now)
-        noted = conn.execute(
-            insert.on_conflict_do_update(
-                index_elements=[RQ.c.run_id, RQ.c.request_id],
-                set_={"at": now},
-                where=RQ.c.at < _week_ago(),  # long forgotten, if not yet deleted
-            ).returning(RQ.c.run_id)  # (an INSERT's rowcount is not told on Postgres)
-        )
-        return noted.first() is not None
+        return self._retries.note(run_id, request_id)
 
     def forget_retries(self) -> int:
-        """Delete the retries' requests older than ``RETRY_REQUEST_DAYS`` (a message
-        is not delivered again that late); how many."""
-        with self.engine.begin() as conn:
-            return int(conn.execute(RQ.delete().where(RQ.c.at < _week_ago())).rowcount or 0)
+        return self._retries.forget()
 
     def thread_went_on(self, run_id: str) -> str | None:
-        """The first run of the run's thread created after it that has started, if any."""
-        me = R.alias("me")
-        query = _started_after(me).where(me.c.id == run_id).limit(1)
-        with self._reads.connect() as conn:
-            return conn.execute(query).scalar()
+        return self._retries.went_on(run_id)
 
     # -- effect records --------------------------------------------------------
 
@@ -621,149 +490,25 @@ class SqlStore:
     ) -> bool:
         return self._effects.finish(run_id, epoch, begun, result, is_error)
 
-    # -- sweeps ----------------------------------------------------------------
+    # -- sweeps (sweeps.py) ----------------------------------------------------
 
     def sweep_candidates(self, queued_before: datetime) -> list[RunRef]:
-        """Interrupted and running runs, and queued runs untouched since ``queued_before``
-        that are first in their key's line (the others wait for the run ahead of them
-        to finish, which schedules the next: a long line is not requeued, nor sent an
-        execution that can claim nothing, on every sweep)."""
-        # The statuses in literals: a generic plan of parameters scanned the table.
-        query = _REFS.where(
-            sa.or_(
-                R.c.status.in_(
-                    [literal(RunStatus.INTERRUPTED.value), literal(RunStatus.RUNNING.value)]
-                ),
-                sa.and_(
-                    R.c.status == literal(RunStatus.QUEUED.value),
-                    R.c.updated_at < queued_before,
-                    in_turn(),
-                ),
-            )
-        ).order_by(R.c.created_at)
-        with self._reads.connect() as conn:
-            return [_ref(r) for r in conn.execute(query).mappings()]
+        return self._sweeps.candidates(queued_before)
 
     def run_ref(self, run_id: str) -> RunRef | None:
-        """The run as the sweeps see it (with its losses at its step), if it exists."""
-        with self._reads.connect() as conn:
-            row = conn.execute(_REFS.where(R.c.id == run_id)).mappings().first()
-        return _ref(row) if row is not None else None
+        return self._sweeps.ref(run_id)
 
     def requeue(self, ref: RunRef, count_loss: bool = False) -> Run | None:
-        """Put a run back to queued if it is still exactly as swept (so one sweeper wins).
-
-        ``count_loss``: the running run's execution was lost with its worker, counted
-        by the run's step (``RunRef.losses``); a run drained or given up by a live
-        worker ends its count."""
-        stmt = R.update().where(
-            R.c.id == ref.id, status_of_one == ref.status.value, R.c.epoch == ref.epoch
-        )
-        if ref.status == RunStatus.QUEUED:
-            stmt = stmt.where(R.c.updated_at == ref.updated_at)
-        elif ref.status == RunStatus.RUNNING and ref.claim_expires_at is not None:
-            # Not a claim its owner renewed since it was swept (a claim that waited long
-            # for a lock is renewed as soon as it is made: see the keeper).
-            stmt = stmt.where(R.c.claim_expires_at == ref.claim_expires_at)
-        stmt = stmt.values(
-            status=RunStatus.QUEUED.value,
-            claim_owner=None,
-            claim_expires_at=None,
-            updated_at=utcnow(),
-        )
-        try:
-            with self._atomic.begin() as conn:
-                if conn.dialect.name == "postgresql":
-                    # A session cut off in the middle of a write to this run (its
-                    # network gone, its server-side backend not) holds the run's row
-                    # until the server notices: the sweep goes on to the next run.
-                    conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{_SWEEP_LOCK_WAIT_MS}ms'")
-                row = conn.execute(stmt.returning(*R.c)).mappings().first()
-                self._after_requeue(conn, ref, row, count_loss)
-        except OperationalError as exc:
-            if not isinstance(exc.orig, LockNotAvailable):
-                raise
-            log.warning(
-                "recover: run %s is locked by another session (one cut off mid-write?);"
-                " left for a later sweep",
-                ref.id,
-            )
-            return None
-        return run_from_row(row) if row is not None else None
-
-    def _after_requeue(
-        self, conn: Connection, ref: RunRef, row: RowMapping | None, count_loss: bool
-    ) -> None:
-        if row is not None and count_loss:
-            self._count_loss(conn, ref.id, row["step_count"])
-        elif row is not None and ref.status is not RunStatus.QUEUED:
-            # Drained, or given up by a live worker: not a loss, and the losses
-            # before it are no longer in a row.
-            conn.execute(C.delete().where(C.c.run_id == ref.id))
+        return self._sweeps.requeue(ref, count_loss)
 
     def forget_losses(self) -> int:
-        """Delete the counts of losses that no longer count: of runs that got on past the
-        step they were lost at, settled, or are gone. Rows are written only when an
-        execution is lost, so the sweep deletes them (the hot path never looks); how
-        many it deleted."""
-        # Said of the run as it is now (past the step, or settled: neither is undone),
-        # not as "no longer at its step": a count that a requeue moved to the run's
-        # next step while this deletes is read again by Postgres, its run is not, and
-        # the count would be gone.
-        passed = sa.exists().where(
-            R.c.id == C.c.run_id,
-            sa.or_(R.c.step_count > C.c.at_step, R.c.status.not_in(_NOT_FINAL)),
-        )
-        gone = ~sa.exists().where(R.c.id == C.c.run_id)
-        with self.engine.begin() as conn:
-            return int(conn.execute(C.delete().where(sa.or_(passed, gone))).rowcount or 0)
-
-    def _count_loss(self, conn: Connection, run_id: str, at_step: int) -> None:
-        """Count an execution of the run lost at ``at_step``: one more in a row there,
-        or the first at a step the run got to since."""
-        insert = self._insert(C).values(run_id=run_id, at_step=at_step, times=1)
-        conn.execute(
-            insert.on_conflict_do_update(
-                index_elements=[C.c.run_id],
-                set_={
-                    "times": sa.case(
-                        (C.c.at_step == insert.excluded.at_step, C.c.times + 1), else_=1
-                    ),
-                    "at_step": insert.excluded.at_step,
-                },
-            )
-        )
+        return self._sweeps.forget_losses()
 
     def next_queued(self, concurrency_key: str) -> str | None:
-        """The oldest queued run of the key, by the index of the key's line."""
-        with self._reads.connect() as conn:
-            row = conn.execute(
-                sa.select(R.c.id)
-                .where(
-                    R.c.concurrency_key == concurrency_key,
-                    in_line(R),
-                    R.c.status == literal(RunStatus.QUEUED.value),
-                )
-                .order_by(R.c.created_at, R.c.id)
-                .limit(1)
-            ).first()
-            return row[0] if row else None
+        return self._sweeps.next_queued(concurrency_key)
 
     def waiting_runs(self) -> list[WaitRef]:
-        """The waiting runs: ids, agents and token ids, never their wait points (a
-        tick lists them every few seconds, and each holds its tool's input)."""
-        query = (
-            sa.select(R.c.id, R.c.agent, R.c.waiting_token, R.c.cancel_requested)
-            # In a literal, as list_runs' status: a generic plan of a parameter read
-            # the whole table in the primary key's order.
-            .where(R.c.status == literal(RunStatus.WAITING.value))
-            .order_by(R.c.created_at)
-        )
-        with self._reads.connect() as conn:
-            return [
-                WaitRef(r.id, r.agent, r.waiting_token, r.cancel_requested)
-                for r in conn.execute(query)
-            ]
+        return self._sweeps.waiting_runs()
 
 
 def _newest(query: Any, status: RunStatus | None, agent: str | None, limit: int) -> Any:
@@ -789,26 +534,3 @@ def _readable(rows: Iterable[RowMapping]) -> list[Run]:
         except InvalidCheckpointError as exc:
             log.warning("skipped: %s", exc)
     return runs
-
-
-def _request(request_id: str) -> str:
-    """A retry's request id as it is kept: one longer than the column holds, or that the
-    database may not store as text (a NUL, a lone surrogate), hashed."""
-    if len(request_id) <= schema.REQUEST_ID_LENGTH and request_id.isprintable():
-        return request_id
-    return "sha256:" + hashlib.sha256(request_id.encode("utf-8", "surrogatepass")).hexdigest()
-
-
-def _week_ago() -> datetime:
-    return utcnow() - timedelta(days=schema.RETRY_REQUEST_DAYS)
-
-
-def _noted(run_id: str, request_id: str) -> sa.Exists:
-    """The request was answered, in the last ``RETRY_REQUEST_DAYS``."""
-    return sa.exists().where(
-        RQ.c.run_id == run_id, RQ.c.request_id == _request(request_id), RQ.c.at >= _week_ago()
-    )
-
-
-class _AnsweredAlready(Exception):
-    """A retry's request was noted by another try of it meanwhile: roll back."""

@@ -1,10 +1,10 @@
-"""The engine (SPEC §4): dispatches runs, executes them under a lease, sweeps; answering
-approvals is ``approvals.py``'s."""
+"""The engine (SPEC §4): dispatches runs, executes them under a lease, sweeps. Its
+parts: answering approvals (``approvals.py``), putting lost runs back in line
+(``recovery.py``) and queueing failed runs again (``retries.py``)."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import secrets
@@ -24,7 +24,6 @@ from agentruns.approvals import Approvals
 from agentruns.errors import (
     LeaseLostError,
     NotifierError,
-    NotRetryableError,
     exception_text,
     first_line,
     stops_the_task,
@@ -37,6 +36,7 @@ from agentruns.leases.local import LocalLeases
 from agentruns.leases.redis import RedisLeases
 from agentruns.outages import is_outage
 from agentruns.recovery import Recovery
+from agentruns.retries import Retries
 from agentruns.runs import (
     Budget,
     Checkpoint,
@@ -135,6 +135,7 @@ class Engine:
         self._closers: list[Callable[[], None]] = []
         self._approvals = Approvals(self)
         self._recovery = Recovery(self)
+        self._retries = Retries(self)
 
     # -- configuration -----------------------------------------------------------
 
@@ -633,65 +634,7 @@ class Engine:
         if request_id is not None and not isinstance(request_id, str):
             raise TypeError(f"request_id must be text, not {type(request_id).__name__}")
         with self._calling():
-            before = self.store.get_run(run_id)  # its failure, said once it is cleared
-            raised = None
-            if budget is not None:
-                raised = intake.retried_budget(self._agents, before, budget)
-            with self.events.writing(run_id):
-                run, retried = self.store.retry(run_id, raised, request_id)
-                if retried:
-                    self.events.run_updated(run)
-            if not retried and request_id is not None and self._answered_already(run, request_id):
-                return run
-            if not retried and run.status is not RunStatus.QUEUED:
-                raise NotRetryableError(run_id, self._why_not_retried(run))
-            if not retried and raised is not None and run.budget != raised:
-                # Another retry queued it first, with its own budget: this one's would
-                # not be applied, and its caller be told it was.
-                raise NotRetryableError(
-                    run_id,
-                    f"run {run_id} is queued already (retried by another caller?) with"
-                    f" budget {_limits(run.budget)}, not this retry's {_limits(raised)}",
-                )
-            if retried:
-                failure = before.error
-                log.info(
-                    "run %s queued again after it failed%s",
-                    run_id,
-                    f" ({failure.code}: {failure.message[:300]})" if failure is not None else "",
-                )
-            self.scheduler.schedule(run_id)
-            return run
-
-    def _answered_already(self, run: Run, request_id: str) -> bool:
-        """Note the retry request ``request_id`` as answered (the run nudged, or the retry
-        refused); if it was already, say so, and nudge the run if it is queued."""
-        if self.store.note_retry(run.id, request_id):
-            return False
-        shown = request_id[:200]
-        # A warning where the run stays failed: a caller that gives each retry task
-        # one fixed id (a habit for deduplicating tasks) has its later retries ignored.
-        log.log(
-            logging.WARNING if run.status is RunStatus.FAILED else logging.INFO,
-            "run %s: retry %s was answered already (the run is %s now): not again",
-            run.id,
-            shown if shown.isprintable() else repr(shown),
-            run.status.value,
-        )
-        if run.status is RunStatus.QUEUED:
-            self.scheduler.schedule(run.id)
-        return True
-
-    def _why_not_retried(self, run: Run) -> str:
-        if run.status is not RunStatus.FAILED:
-            return f"run {run.id} is {run.status.value}: only a failed (or queued) run is retried"
-        later = self.store.thread_went_on(run.id)
-        if later is None:  # it changed meanwhile
-            return f"run {run.id} could not be retried as it was; look at it again"
-        return (
-            f"run {run.id} cannot be retried: run {later} of its thread {run.thread!r} has"
-            " started since, from the thread's runs before it; dispatch to the thread again"
-        )
+            return self._retries.retry(run_id, budget, request_id)
 
     def tick(self, *, wait_for_notifiers: bool = True) -> None:
         """Deny approvals past their expiry; re-send notifications that did not go
@@ -893,9 +836,3 @@ _GIVEN_UP_S = 3600.0
 def _an_agent(agent: Any) -> None:
     if not isinstance(agent, Agent):
         raise TypeError(f"an engine's agents are Agent objects, not {agent!r}")
-
-
-def _limits(budget: Budget | None) -> str:
-    if budget is None:
-        return "its agent's"
-    return json.dumps(budget.model_dump(mode="json"))

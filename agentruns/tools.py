@@ -14,7 +14,6 @@ from typing import (
     Annotated,
     Any,
     Literal,
-    Optional,
     Union,
     get_args,
     get_origin,
@@ -22,7 +21,7 @@ from typing import (
     overload,
 )
 
-from pydantic import BaseModel, ConfigDict, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from pydantic_core import to_jsonable_python
 
 from agentruns.errors import problems
@@ -240,6 +239,11 @@ def _is_context(annotation: Any) -> bool:
 STATE_TOOL_NAMES = ["read_state", "update_state"]  # ``state_tools``'s
 
 
+def _left_out() -> None:
+    """An ``update_state`` field's default: not in the schema, and never used, as only
+    the fields given are (``model_fields_set``)."""
+
+
 def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]:
     """``read_state`` and ``update_state`` over an agent's pydantic state."""
 
@@ -249,12 +253,21 @@ def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]
     def update_state(**changes: Any) -> dict[str, Any]:
         # Only the fields given (a null clears an optional one), by field name.
         merged = {**holder.value, **changes}
-        new = state_model.model_validate(merged, by_name=True, by_alias=False)
+        try:
+            new = state_model.model_validate(merged, by_name=True, by_alias=False)
+        except ValidationError as exc:  # the state's own validators: said in one line
+            raise ValueError(f"the state would not be valid: {problems(exc, 'state')}") from None
         holder.value = new.model_dump(mode="json")
         return holder.value
 
+    # Every field may be left out, and is then left as it is (``partial``); a field
+    # is null only if the state's own type allows it (offered as nullable, a field
+    # that is not was refused null by the state, in pydantic's multi-line words).
     update_fields: dict[str, Any] = {
-        name: (Optional[field.annotation], None)  # noqa: UP045 - a runtime annotation
+        name: (
+            Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation,
+            Field(default_factory=_left_out, description=field.description),
+        )
         for name, field in state_model.model_fields.items()
     }
     update_model = create_model(

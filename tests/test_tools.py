@@ -11,10 +11,11 @@ from datetime import timedelta
 from typing import Annotated, Any
 
 import pytest
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from agentruns import Agent, Engine, RunStatus, ToolContext, tool
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.tools import StateHolder, state_tools
 from tests.conftest import EngineFactory, trigger
 
 
@@ -241,3 +242,59 @@ def test_update_state_clears_an_optional_field_and_sets_an_aliased_one(
     assert engine.idle(10)
     checkpoint = engine.checkpoint(run.id)
     assert checkpoint is not None and checkpoint.state == {"assignee": None, "item_count": 5}
+
+
+class Counted(BaseModel):
+    note: str | None = None
+    count: int = Field(0, ge=0, description="items seen")
+    low: int = 0
+    high: int = 10
+
+    @model_validator(mode="after")
+    def _ordered(self) -> Counted:
+        if self.low > self.high:
+            raise ValueError("low must not pass high")
+        return self
+
+
+def test_update_state_offers_null_only_for_fields_whose_type_takes_it(
+    make_engine: EngineFactory,
+) -> None:
+    # Every field was offered as nullable, and a null for one that is not failed in
+    # pydantic's words, over several lines with a link.
+    model = ScriptedModel(
+        [
+            tool_use("update_state", {"count": None}),
+            tool_use("update_state", {"low": 11}),
+            tool_use("update_state", {"note": None, "count": 2}),
+            text("done"),
+        ]
+    )
+    update = state_tools(Counted, StateHolder({}))[1]
+    properties = update.spec.input_schema["properties"]
+    assert properties["count"] == {
+        "description": "items seen",
+        "minimum": 0,
+        "title": "Count",
+        "type": "integer",
+    }
+    assert "anyOf" in properties["note"] and "required" not in update.spec.input_schema
+    engine = make_engine([Agent("a", model, state=Counted)])
+    run = engine.dispatch("a", trigger({}))
+    assert engine.idle(10)
+    results = [m for m in model.calls[-1] if m["role"] == "user"][1:]
+    said = [r["content"][0] for r in results]
+    assert said[0]["is_error"] and said[0]["content"].startswith(
+        "invalid arguments for update_state: count: Input should be a valid integer"
+    )
+    assert said[1]["is_error"] and "low must not pass high" in said[1]["content"]
+    assert all(
+        "\n" not in s["content"] and "errors.pydantic.dev" not in s["content"] for s in said[:2]
+    )
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None and checkpoint.state == {
+        "note": None,
+        "count": 2,
+        "low": 0,
+        "high": 10,
+    }

@@ -159,11 +159,15 @@ def test_string_content_of_the_newest_message_becomes_one_cached_text_block(
 
 
 def test_empty_instructions_and_no_tools_send_neither_field(fake: FakeAnthropic) -> None:
-    fake.push(reply(text("Hello.")))
-    make_model(fake).complete(request(system="", tools=[]), threading.Event())
+    # Blank instructions too (a template that rendered to a newline): the API takes no
+    # text block of whitespace alone.
+    for system in ("", "\n", "  \t "):
+        fake.push(reply(text("Hello.")))
+        make_model(fake).complete(request(system=system, tools=[]), threading.Event())
 
-    assert "system" not in fake.requests[0].body
-    assert "tools" not in fake.requests[0].body
+    for sent in fake.requests:
+        assert "system" not in sent.body
+        assert "tools" not in sent.body
 
 
 def test_the_same_transcript_serialises_to_the_same_bytes_whatever_its_key_order(

@@ -168,7 +168,7 @@ class AnthropicModel:
 
     def _params(self, request: ModelRequest) -> dict[str, Any]:
         params: dict[str, Any] = {"model": self._model, "max_tokens": self._max_tokens}
-        if request.system:
+        if request.system and not request.system.isspace():  # no blank text block
             params["system"] = [
                 {"type": "text", "text": request.system, "cache_control": dict(EPHEMERAL)}
             ]

@@ -16,6 +16,7 @@ DATABASE_OUTAGE: tuple[type[Exception], ...] = (
     sqlalchemy.exc.OperationalError,
     sqlalchemy.exc.InterfaceError,
     sqlalchemy.exc.TimeoutError,
+    sqlalchemy.exc.DisconnectionError,  # each connection ended as it was opened (connect.py)
 )
 # The database or Redis (leases, cancel signals, events) away or stalled.
 OUTAGE: tuple[type[Exception], ...] = (

@@ -42,10 +42,11 @@ from agentruns import (
 )
 from agentruns.celery import sweeps_queue
 from agentruns.models import ScriptedModel, text, tool_use
+from agentruns.outages import is_outage
 from agentruns.schedulers import ManualScheduler
 from agentruns.tools import Tool
 from bench.cluster import Cluster
-from tests.conftest import REDIS_URL, Errors, trigger, wait_for
+from tests.conftest import REDIS_URL, Errors, drop_connections, trigger, wait_for
 from tests.support import celery_agents
 from tests.support.private_redis import PrivateRedis
 from tests.support.proxy import Proxy
@@ -697,3 +698,81 @@ def test_an_effects_intent_whose_reply_was_lost_is_not_taken_for_an_unknown_outc
     done = engine.execute(run.id)
     assert done.status is RunStatus.COMPLETED, done.error
     assert paid == ["pay"] and errors == []
+
+
+class _EndingNewConnections:
+    """Ends the server side of each connection ``url``'s store opens, as it is opened,
+    ``times`` times once armed (``pg_terminate_backend`` in a loop, a failover under
+    way), and waits until the server has closed it."""
+
+    def __init__(self, store: SqlStore, url: str, times: int) -> None:
+        self.url = url.replace("+psycopg", "")
+        self.left = 0
+        self.times = times
+        sqlalchemy.event.listen(store.engine, "connect", self._opened)
+
+    def arm(self) -> None:
+        self.left = self.times
+
+    def _opened(self, dbapi_conn: psycopg.Connection[Any], _record: Any) -> None:
+        if self.left <= 0:
+            return
+        self.left -= 1
+        pid = dbapi_conn.info.backend_pid
+        with psycopg.connect(self.url, autocommit=True) as admin:
+            admin.execute("SELECT pg_terminate_backend(%s)", (pid,))
+            while admin.execute("SELECT 1 FROM pg_stat_activity WHERE pid = %s", (pid,)).fetchone():
+                time.sleep(0.005)
+
+
+def test_an_effects_result_is_recorded_though_the_connections_opened_for_it_are_ended(
+    db_url: str, redis_prefix: str, errors: Errors
+) -> None:
+    # SQLAlchemy's checkout replaces an ended connection once, then raises
+    # InvalidRequestError ("This connection is closed"), which was not taken for an
+    # outage: the run failed internal_error, and a retry called the effect again.
+    paid: list[str] = []
+    store = SqlStore(db_url)
+    ending = _EndingNewConnections(store, db_url, times=3)
+
+    @tool(effect=True)
+    def pay(amount: int, ctx: ToolContext) -> str:
+        """Pay."""
+        paid.append(ctx.idempotency_key)
+        drop_connections(db_url)
+        ending.arm()
+        return f"paid {amount}"
+
+    model = ScriptedModel([tool_use("pay", {"amount": 5}), text("Paid.")])
+    engine = Engine(
+        store,
+        leases=RedisLeases(prefix=redis_prefix),
+        scheduler=LocalScheduler(),
+        agents=[Agent("a", model, tools=[pay])],
+        secret="s",
+        on_error=errors.append,
+    )
+    try:
+        run = engine.dispatch("a", trigger({}))
+        assert engine.idle(20)
+        assert engine.get_run(run.id).status is RunStatus.COMPLETED, engine.get_run(run.id)
+        assert len(paid) == 1 and ending.left == 0
+        assert errors == []
+    finally:
+        engine.close()
+
+
+def test_a_store_whose_every_new_connection_is_ended_raises_an_outage(db_url: str) -> None:
+    store = SqlStore(db_url)
+    ending = _EndingNewConnections(store, db_url, times=1000)
+    try:
+        store.list_runs()
+        drop_connections(db_url)
+        ending.arm()
+        with pytest.raises(sqlalchemy.exc.DisconnectionError) as raised:
+            store.list_runs()
+        assert is_outage(raised.value)
+        ending.left = 0
+        assert store.list_runs() == []  # and it works again once the server lets it
+    finally:
+        store.close()

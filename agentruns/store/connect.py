@@ -11,6 +11,7 @@ import psycopg
 import sqlalchemy as sa
 from psycopg.pq import ConnStatus, ExecStatus, TransactionStatus
 from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.pool import PoolProxiedConnection
 
 from agentruns.errors import AgentrunsError, NotMigratedError
 
@@ -175,6 +176,7 @@ def _postgres_engine(url: str, **kwargs: Any) -> Engine:
     # what a worker's runs make when their model calls return together.
     kwargs.setdefault("pool_size", 30)
     kwargs.setdefault("max_overflow", 0)
+    kwargs.setdefault("poolclass", _Pool)
     # No pre-ping round trip per checkout, but a look at the socket (``closed``, on
     # checkout; the hot path's held connections, in held.py): a connection the
     # server ended while it sat idle (a restart, an idle timeout, a terminated
@@ -197,6 +199,37 @@ def _postgres_engine(url: str, **kwargs: Any) -> Engine:
     sa.event.listen(engine, "reset", _rollback_if_in_transaction)
     sa.event.listen(engine, "checkout", _not_closed)
     return engine
+
+
+class _Pool(sa.pool.QueuePool):
+    """SQLAlchemy's pool, whose checkout replaces a connection the server ended at most
+    twice and then raised ``InvalidRequestError`` ("This connection is closed"), an
+    error no caller takes for an outage: an execution then failed its run (and a
+    retry called an effect again whose result it held), where the server had only
+    ended connections as they were opened (``pg_terminate_backend`` in a loop, a
+    failover under way). This tries a few checkouts more, then says it as the
+    disconnect it is (an outage: ``outages.py``)."""
+
+    def connect(self) -> PoolProxiedConnection:
+        checkouts = 0
+        while True:
+            try:
+                return super().connect()
+            except sa.exc.InvalidRequestError as exc:
+                checkouts += 1
+                if str(exc) != _ENDED_AT_CHECKOUT:
+                    raise
+                if checkouts == _CHECKOUTS:
+                    raise sa.exc.DisconnectionError(
+                        f"the server ended each connection {_CHECKOUTS * 2} checkouts"
+                        " were given, as they were opened"
+                    ) from exc
+
+
+# SQLAlchemy's words when its checkout gave up (sqlalchemy/pool/base.py), and how many
+# of its checkouts (of two connections each) one of this pool makes.
+_ENDED_AT_CHECKOUT = "This connection is closed"
+_CHECKOUTS = 4
 
 
 def closed(driver: psycopg.Connection[Any]) -> bool:

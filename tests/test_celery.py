@@ -1614,3 +1614,36 @@ def test_the_event_batching_arms_one_flush_and_rearms_after_a_lost_one(
     now[0] += 1.0
     c.on_send_event_buffered()
     assert len(c.hub.soon) == 3  # its timer is gone: armed again
+
+
+_FIRST_SENDS_AT_ONCE = """
+import sys, threading
+from agentruns.schedulers.celery import CeleryScheduler, _inside_an_eager_task
+assert "celery" not in sys.modules
+scheduler = CeleryScheduler(app=object())
+barrier = threading.Barrier(32)
+failed = []
+def send():
+    barrier.wait()
+    try:
+        scheduler._sending_app(), _inside_an_eager_task()
+    except Exception as exc:
+        failed.append(repr(exc))
+threads = [threading.Thread(target=send) for _ in range(32)]
+[t.start() for t in threads]
+[t.join() for t in threads]
+print(failed[:1])
+sys.exit(len(failed))
+"""
+
+
+def test_a_producers_threads_sending_their_first_executions_at_once_all_send() -> None:
+    # Which task each send is made in was asked of the celery package, whose names
+    # load as they are first asked for: in a fresh process (a threaded web server
+    # just started), most threads asking at once raised ImportError, after their
+    # runs were stored, and the runs waited for recover().
+    for _ in range(4):
+        done = subprocess.run(
+            [sys.executable, "-c", _FIRST_SENDS_AT_ONCE], capture_output=True, text=True
+        )
+        assert done.returncode == 0, done.stdout + done.stderr

@@ -40,9 +40,7 @@ class CeleryScheduler:
         """The app of the task this is called in, if any (a team's own app's worker,
         or its eager tests): its executions go where that app's workers look. Else
         this scheduler's."""
-        from celery import current_task
-
-        task = current_task._get_current_object()
+        task = _current_task()
         return task.app if task is not None else self.app
 
     def bind(self, execute: Callable[[str], object], slots: int) -> None:
@@ -130,7 +128,15 @@ class CeleryScheduler:
 def _inside_an_eager_task() -> bool:
     """Called from a task running eagerly: a team's own app with ``task_always_eager``
     that includes agentruns' tasks (this scheduler's app, agentruns', is not eager)."""
-    from celery import current_task
+    task = _current_task()
+    return task is not None and bool(task.request.is_eager)
 
-    # (A proxy, never None itself: false when no task runs.)
-    return bool(current_task) and bool(current_task.request.is_eager)
+
+def _current_task() -> Any:
+    """The task this thread runs, or None: ``celery.current_task``'s object, from the
+    module that holds it. (Through the ``celery`` package, whose names load as they
+    are first asked for, threads sending their first executions at once raised
+    ``ImportError: cannot import name 'current_task'`` after their runs were stored.)"""
+    from celery._state import get_current_task
+
+    return get_current_task()

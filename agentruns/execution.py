@@ -614,7 +614,7 @@ class Execution:
             wait = self._wait_point(call)
             pending[call["id"]] = {**entry, "wait": wait.model_dump(mode="json")}
         status = RunStatus.CANCELLED if self.reason is Abort.CANCEL else RunStatus.WAITING
-        committed = self._leave_step(
+        self._leave_step(
             tool_steps,
             index,
             finish_reason,
@@ -622,11 +622,8 @@ class Execution:
             status,
             waiting=wait if status is RunStatus.WAITING else None,
         )
-        if status is RunStatus.WAITING and committed.cancel_requested:
-            # A cancel came as the run paused (flagged while it ran): a waiting run is
-            # cancelled at once, so this one is, and nobody is asked to approve.
-            self.run = self.engine.cancel(self.run.id)
-        # Otherwise the engine calls the notifier once the run's lease is let go.
+        # Unless it was cancelled as it paused, the engine calls the notifier once the
+        # run's lease is let go.
         raise _Stop
 
     # -- writes --------------------------------------------------------------------------
@@ -705,7 +702,7 @@ class Execution:
     ) -> Run:
         """Settle with the step unfinished: its tool steps so far, its answers pending
         (done, or awaiting approval), the checkpoint at the calls."""
-        return self._commit(
+        self._commit(
             Commit(
                 steps=tool_steps,
                 checkpoint=(index, finish_reason),
@@ -717,6 +714,7 @@ class Execution:
                 release_claim=True,
             )
         )
+        return self._cancel_if_asked()
 
     def _settle(
         self,
@@ -738,7 +736,22 @@ class Execution:
                 waiting=None,
             )
         )
+        self._cancel_if_asked()
         raise _Stop
+
+    def _cancel_if_asked(self) -> Run:
+        """A cancel flagged while the run ran (its owner already stopping for another
+        reason, or about to pause) that this execution left waiting or interrupted (a
+        pause, a drain, a worker's time limit): cancelled now, as a waiting or
+        interrupted run is at once. Else it waited for an approval nobody should give,
+        or stayed interrupted until a recovery, and with no worker left, for good."""
+        run = self.run
+        if run.cancel_requested and run.status in (RunStatus.WAITING, RunStatus.INTERRUPTED):
+            try:
+                self.run = self.engine.cancel(run.id)
+            except Exception as exc:  # a tick, or a recovery's execution, cancels it
+                self.engine.report(exc)
+        return self.run
 
     def _stopped(self, exc: Exception) -> None:
         """A worker's time limit stopped the execution, just before the pool kills the

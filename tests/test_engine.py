@@ -1742,6 +1742,37 @@ def test_a_cancel_mid_step_starts_none_of_the_steps_later_calls(
     assert [s.name for s in owner.steps(run.id) if s.kind == "tool"] == ["slow"]
 
 
+def test_a_cancel_asked_for_as_a_drain_stops_the_run_leaves_it_cancelled(
+    make_any_engine: EngineFactory,
+) -> None:
+    # The drain had stopped the run first: it settled interrupted, its cancel only
+    # flagged, and stayed so until a recovery (with no worker left, for good).
+    started, finish = threading.Event(), threading.Event()
+
+    @tool
+    def slow(q: str) -> str:
+        """Take a while."""
+        started.set()
+        assert finish.wait(10)
+        return q
+
+    model = ScriptedModel([tool_use("slow", {"q": "x"}), text("ok")])
+    engine = make_any_engine([Agent("a", model, tools=[slow])])
+    run = engine.dispatch("a", trigger({}))
+    assert started.wait(10)
+    drain = threading.Thread(target=engine.drain, kwargs={"timeout": 10})
+    drain.start()
+    wait_for(lambda: engine._draining)
+    flagged = engine.cancel(run.id)
+    assert flagged.status is RunStatus.RUNNING and flagged.cancel_requested
+    finish.set()
+    drain.join(15)
+    settled = engine.get_run(run.id)
+    assert settled.status is RunStatus.CANCELLED and settled.finished_at is not None
+    assert [s.kind for s in engine.steps(run.id)] == ["llm", "tool"]  # its work kept
+    assert engine.recover() == []
+
+
 def test_a_drain_mid_step_keeps_the_calls_done_and_recovery_runs_the_rest_once(
     make_any_engine: EngineFactory,
 ) -> None:

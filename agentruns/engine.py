@@ -295,6 +295,11 @@ class Engine:
                     self._slots.release()
             if ran:
                 self._after_run(run, wait)
+            if run.status is RunStatus.RUNNING:
+                # Let go running (a lost lease, an outage): the run as it is stored,
+                # which another engine may have taken on, or settled, meanwhile.
+                with contextlib.suppress(Exception):
+                    run = self.store.get_run(run_id)
             return run
 
     def _inside_a_call(self) -> bool:

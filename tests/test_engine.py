@@ -1670,6 +1670,40 @@ def test_a_lease_lost_after_a_timeout_still_stops_every_write(
     assert errors.of(LeaseLostError)
 
 
+def test_execute_returns_the_run_as_stored_after_its_lease_was_lost(
+    make_engine: EngineFactory, errors: Errors, redis_prefix: str
+) -> None:
+    # It returned the run as its execution last wrote it: running, though another
+    # engine had finished it meanwhile.
+    stalled, go_on = threading.Event(), threading.Event()
+
+    @tool
+    def slow() -> str:
+        """Take a while, never looking at the abort signal."""
+        if not stalled.is_set():
+            stalled.set()
+            assert go_on.wait(20)
+        return "done"
+
+    def agent() -> Agent:
+        return Agent("a", ScriptedModel([tool_use("slow", {}), text("ok")]), tools=[slow])
+
+    first = make_engine([agent()], scheduler=ManualScheduler(), lease_ttl=0.6, requeue_after=0.1)
+    second = make_engine([agent()], scheduler=ManualScheduler(), lease_ttl=0.6, requeue_after=0.1)
+    run = first.dispatch("a", trigger({}))
+    returned: list[Run] = []
+    executing = threading.Thread(target=lambda: returned.append(first.execute(run.id)))
+    executing.start()
+    assert stalled.wait(10)
+    redis.Redis.from_url(REDIS_URL).delete(f"{redis_prefix}:lease:{run.id}")  # lost
+    wait_for(lambda: second.recover() == [run.id], timeout=10)  # once its claim expired
+    assert second.execute(run.id).status is RunStatus.COMPLETED
+    go_on.set()
+    executing.join(10)
+    assert returned[0].status is RunStatus.COMPLETED, returned[0]
+    assert errors.of(LeaseLostError)
+
+
 def test_drain_then_recover_finishes_the_run_without_losing_or_repeating_a_step(
     make_engine: EngineFactory,
 ) -> None:

@@ -66,6 +66,10 @@ def malformed(response: ModelResponse) -> str | None:
                 return f"it cannot be stored (the {key} of a {block['type']} block: {problem})"
         if block["type"] == "text" and not isinstance(block.get("text"), str):
             return "a text block has no text"
+        if block["type"] in _USERS_OWN:
+            # The provider takes these only from the user: stored, the transcript
+            # would be refused once anything followed it (a thread's next run).
+            return f"a reply holds a {block['type']} block, which only a user's message may"
         if block["type"] == "tool_use":
             problem = _malformed_call(block, seen)
             if problem is not None:
@@ -124,3 +128,6 @@ def _malformed_call(block: dict[str, Any], seen: set[str]) -> str | None:
 
 
 _THINKING = frozenset({"thinking", "redacted_thinking"})
+# Content only a user's message holds (a model of one's own, or a gateway, may
+# return them).
+_USERS_OWN = frozenset({"tool_result", "image", "document"})

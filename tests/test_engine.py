@@ -838,6 +838,9 @@ def test_malformed_model_reply_fails_with_model_error_keeping_the_transcript(
         # No answer: the run would complete with nothing as its output.
         {"type": "thinking", "thinking": "Hmm.", "signature": "s"},
         [{"type": "thinking", "thinking": "Hmm.", "signature": "s"}, text(" ")],
+        # A user's content: the transcript would be refused once anything followed it.
+        {"type": "tool_result", "tool_use_id": "t", "content": "x"},
+        [text("See:"), {"type": "image", "source": {"type": "url", "url": "https://x/y.png"}}],
     ]
     for reply in malformed:
         model = ScriptedModel(

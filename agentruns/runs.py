@@ -103,7 +103,27 @@ def _check_json(value: Any) -> Any:
     problem = json_problem(value)
     if problem is not None:
         raise ValueError(f"payload is not JSON: {problem}")
+    if _keys_not_text(value):
+        # As JSON spells them (1 as "1", None as "null"), as a Celery message brings
+        # them: else stored as pydantic spells them ("None"), and the model shown
+        # JSON's, one run of two payloads.
+        return json.loads(json.dumps(value, ensure_ascii=False))
     return value
+
+
+def _keys_not_text(value: Any) -> bool:
+    """Has a dict in ``value`` a key that is not text? (Nesting is bounded: checked
+    by ``json_problem`` first.)"""
+    containers = [value]
+    while containers:
+        found = containers.pop()
+        if isinstance(found, dict):
+            if not all(isinstance(key, str) for key in found):
+                return True
+            containers.extend(v for v in found.values() if isinstance(v, dict | list | tuple))
+        elif isinstance(found, list | tuple):
+            containers.extend(v for v in found if isinstance(v, dict | list | tuple))
+    return False
 
 
 def _check_text(value: Any) -> Any:

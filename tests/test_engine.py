@@ -743,6 +743,24 @@ def test_a_nul_in_the_payload_and_the_answer_is_kept_in_the_transcript(
     assert json.loads(checkpoint.messages[0]["content"])["payload"] == {"q": "a\x00b"}
 
 
+def test_a_payloads_keys_that_are_not_text_are_spelled_as_json_spells_them(
+    make_any_engine: EngineFactory,
+) -> None:
+    # Stored as pydantic spells them ({None: 1} as {"None": 1}), and shown to the
+    # model as JSON does ({"null": 1}); through a Celery message, as JSON does.
+    model = ScriptedModel([text("ok")])
+    engine = make_any_engine([Agent("a", model)])
+    payload = {1: "a", None: 2, False: 3, 1.5: 4, "x": [{2: ({None: 0},)}]}
+    spelled = {"1": "a", "null": 2, "false": 3, "1.5": 4, "x": [{"2": [{"null": 0}]}]}
+    run = engine.dispatch("a", trigger(payload))
+    assert run.trigger.payload == spelled
+    assert engine.idle(10)
+    assert engine.get_run(run.id).trigger.payload == spelled
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None
+    assert json.loads(checkpoint.messages[0]["content"])["payload"] == spelled
+
+
 def test_fatal_tool_error_fails_the_run(make_engine: EngineFactory) -> None:
     @tool
     def explode() -> str:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any, cast
@@ -83,7 +83,16 @@ class Prepared:
 
     def values(self, params: dict[str, Any]) -> Sequence[bytes]:
         # None is SQL NULL to libpq (the pq layer's own stubs type it only for sends).
-        return cast("list[bytes]", [_text(params[name]) for name in self.params])
+        # Two writes a step of some thirty parameters each: by the value's exact type
+        # first (the commonest), a tenth of an execution's CPU spent here otherwise.
+        by_type = _TEXT_BY_TYPE
+        return cast(
+            "list[bytes]",
+            [
+                by_type.get(type(value), _text)(value)
+                for value in map(params.__getitem__, self.params)
+            ],
+        )
 
 
 _COMMIT = _sql("commit.sql")
@@ -292,14 +301,32 @@ def _text(value: Any) -> bytes | None:
     if value is False:
         return b"f"
     if isinstance(value, str):
-        if "\x00" in value:  # libpq would cut the text there
-            raise ValueError(f"Postgres text cannot hold a NUL character: {value[:80]!r}")
-        return value.encode()
+        return _str_text(value)
     if isinstance(value, datetime):
         return value.isoformat().encode()
     if isinstance(value, int | float):
         return str(value).encode()
     raise TypeError(f"no text form for a parameter of type {type(value).__name__}")
+
+
+def _str_text(value: str) -> bytes:
+    if "\x00" in value:  # libpq would cut the text there
+        raise ValueError(f"Postgres text cannot hold a NUL character: {value[:80]!r}")
+    return value.encode()
+
+
+def _null(_: None) -> None:
+    return None
+
+
+# ``_text`` of the commonest exact types, without its chain of isinstance checks.
+_TEXT_BY_TYPE: dict[type, Callable[[Any], bytes | None]] = {
+    str: _str_text,
+    type(None): _null,
+    bool: lambda value: b"t" if value else b"f",
+    int: lambda value: str(value).encode(),
+    datetime: lambda value: value.isoformat().encode(),
+}
 
 
 # What one statement's parameters may add up to: Postgres takes a message of at

@@ -107,7 +107,27 @@ def _check_json(value: Any) -> Any:
         # As JSON spells them (1 as "1", None as "null"), as a Celery message brings
         # them: else stored as pydantic spells them ("None"), and the model shown
         # JSON's, one run of two payloads.
-        return json.loads(json.dumps(value, ensure_ascii=False))
+        return _with_text_keys(value)
+    return value
+
+
+def _with_text_keys(value: Any) -> Any:
+    """``value`` with its dicts' keys as JSON spells them (and its tuples as lists);
+    ``ValueError`` if two keys of a dict would then be one ({1: .., "1": ..}), which
+    JSON would keep only the last of."""
+    if isinstance(value, dict):
+        spelled: dict[str, Any] = {}
+        for key, item in value.items():
+            text = key if isinstance(key, str) else json.dumps(key)
+            if text in spelled:
+                raise ValueError(
+                    f"payload is not JSON: two keys of a dict are both {text!r} in JSON"
+                    f" (one of them {key!r})"
+                )
+            spelled[text] = _with_text_keys(item)
+        return spelled
+    if isinstance(value, list | tuple):
+        return [_with_text_keys(item) for item in value]
     return value
 
 

@@ -759,6 +759,11 @@ def test_a_payloads_keys_that_are_not_text_are_spelled_as_json_spells_them(
     checkpoint = engine.checkpoint(run.id)
     assert checkpoint is not None
     assert json.loads(checkpoint.messages[0]["content"])["payload"] == spelled
+    # Two keys JSON spells alike: one would be lost (JSON keeps the last).
+    for both in ({1: "a", "1": "b"}, {"x": [{None: 1, "null": 2}]}):
+        with pytest.raises(InvalidTriggerError, match="both '(1|null)' in JSON"):
+            engine.dispatch("a", trigger(both))
+    assert len(engine.list_runs()) == 1
 
 
 def test_fatal_tool_error_fails_the_run(make_engine: EngineFactory) -> None:

@@ -117,14 +117,15 @@ def _with_text_keys(value: Any) -> Any:
     JSON would keep only the last of."""
     if isinstance(value, dict):
         spelled: dict[str, Any] = {}
+        given: dict[str, Any] = {}
         for key, item in value.items():
             text = key if isinstance(key, str) else json.dumps(key)
             if text in spelled:
                 raise ValueError(
-                    f"payload is not JSON: two keys of a dict are both {text!r} in JSON"
-                    f" (one of them {key!r})"
+                    f"payload is not JSON: the keys {given[text]!r} and {key!r} of a dict"
+                    f" are both {text!r} in JSON"
                 )
-            spelled[text] = _with_text_keys(item)
+            spelled[text], given[text] = _with_text_keys(item), key
         return spelled
     if isinstance(value, list | tuple):
         return [_with_text_keys(item) for item in value]

@@ -761,7 +761,9 @@ def test_a_payloads_keys_that_are_not_text_are_spelled_as_json_spells_them(
     assert json.loads(checkpoint.messages[0]["content"])["payload"] == spelled
     # Two keys JSON spells alike: one would be lost (JSON keeps the last).
     for both in ({1: "a", "1": "b"}, {"x": [{None: 1, "null": 2}]}):
-        with pytest.raises(InvalidTriggerError, match=r"the keys (1 and '1'|None and 'null') of a dict are both"):
+        with pytest.raises(
+            InvalidTriggerError, match=r"the keys (1 and '1'|None and 'null') of a dict are both"
+        ):
             engine.dispatch("a", trigger(both))
     assert len(engine.list_runs()) == 1
 

@@ -126,6 +126,8 @@ def _keys(
         else ("the trigger's id (the idempotency key by default)", envelope.id),
         ("concurrency_key", concurrency_key),
         ("thread", thread),
+        ("the trigger's source", envelope.source),
+        ("the trigger's name (trigger)", envelope.trigger),
     ):
         if text == "":  # an unset variable, likely: it would make every run one
             raise InvalidTriggerError(f"{what} must not be empty (leave it out for none)")

@@ -1310,6 +1310,7 @@ def test_what_a_worker_would_refuse_of_any_tasks_arguments_is_refused_where_it_i
         ({"trigger": {**base, "id": "x" * 501}}, "501 characters long"),
         ({"trigger": {**base, "id": "a\x00b"}}, "NUL"),
         ({"trigger": {**base, "thread": ""}}, "thread must not be empty"),
+        ({"trigger": {**base, "source": ""}}, "source must not be empty"),
         ({"trigger": base, "thread": "t" * 494}, "thread is 494 characters"),
         ({"trigger": base, "idempotency_key": ""}, "idempotency_key must not be empty"),
         ({"trigger": base, "idempotency_key": 5}, "idempotency_key must be UTF-8 text"),

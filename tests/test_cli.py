@@ -688,6 +688,7 @@ def test_approve_by_run_pinned_to_an_approval_refuses_another(cli: Cli) -> None:
     assert f"(stale): run {run_id} waits on approval {approval} now" in said
     assert cli.json("show", run_id)["run"]["status"] == "waiting"
     assert "--approval goes with --run" in cli.fails(2, "deny", "x.y", "--approval", approval)
+    assert "--approval goes with --run" in cli.fails(2, "deny", "--approval", approval)
     assert "completed" in cli("approve", "--run", run_id, "--approval", approval)[1]
 
 

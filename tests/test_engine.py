@@ -256,6 +256,10 @@ def test_dispatch_refuses_what_no_store_can_keep_storing_nothing(
     for fields, named in (({"id": ""}, "the trigger's id"), ({"thread": ""}, "thread")):
         with pytest.raises(InvalidTriggerError, match=f"^{named}.* must not be empty"):
             engine.dispatch("triage", trigger({}, **fields))
+    # A run of no source, or of no trigger name, was stored (shown as "/ manual").
+    for field, named in (("source", "source"), ("trigger", r"name \(trigger\)")):
+        with pytest.raises(InvalidTriggerError, match=f"^the trigger's {named} must not be empty"):
+            engine.dispatch("triage", {**trigger({}), field: ""})
     assert engine.list_runs() == []
     assert engine.list_runs(agent=lone) == []
     for call in (engine.get_run, engine.steps, engine.checkpoint, engine.cancel, engine.execute):

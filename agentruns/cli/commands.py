@@ -107,12 +107,12 @@ def cmd_show(session: Session, args: argparse.Namespace) -> int:
 def cmd_answer(session: Session, args: argparse.Namespace) -> int:
     """``approve`` and ``deny``: answer an approval by its token, or by the run it holds."""
     approved = args.command == "approve"
-    if (args.token is None) == (args.run is None):
-        raise CliError(f"{args.command}: give either a TOKEN or --run RUN", BAD_INPUT)
     if args.approval is not None and args.run is None:
         raise CliError(
             f"{args.command}: --approval goes with --run (a token names its own)", BAD_INPUT
         )
+    if (args.token is None) == (args.run is None):
+        raise CliError(f"{args.command}: give either a TOKEN or --run RUN", BAD_INPUT)
     engine = session.engine()
     if args.token is None:
         run = engine.get_run(args.run)

@@ -240,7 +240,7 @@ class Engine:
                     self._slots.release()
             if run is not None:
                 self._after_run(run, wait)
-                return run
+                return self._as_stored_if_let_go(run)
         run = self._store_queued(new)
         if run.status is RunStatus.QUEUED and not self._draining:
             return self.execute(run.id, wait_for_notifiers=wait)
@@ -295,12 +295,17 @@ class Engine:
                     self._slots.release()
             if ran:
                 self._after_run(run, wait)
-            if run.status is RunStatus.RUNNING:
-                # Let go running (a lost lease, an outage): the run as it is stored,
-                # which another engine may have taken on, or settled, meanwhile.
-                with contextlib.suppress(Exception):
-                    run = self.store.get_run(run_id)
+                run = self._as_stored_if_let_go(run)
             return run
+
+    def _as_stored_if_let_go(self, run: Run) -> Run:
+        """An execution's run, or, if it let the run go running (a lost lease, an
+        outage), the run as it is stored: another engine may have taken it on, or
+        settled it, meanwhile."""
+        if run.status is RunStatus.RUNNING:
+            with contextlib.suppress(Exception):
+                return self.store.get_run(run.id)
+        return run
 
     def _inside_a_call(self) -> bool:
         """Is this thread inside a call of this engine's (a tool, listener or notifier

@@ -12,7 +12,15 @@ from pydantic import ValidationError
 
 from agentruns.agent import Agent
 from agentruns.errors import InvalidTriggerError, RunNotFoundError, UnknownAgentError, problems
-from agentruns.runs import Budget, Run, TriggerEnvelope, is_storable_key, is_utf8
+from agentruns.runs import (
+    Budget,
+    Run,
+    TriggerEnvelope,
+    is_storable_key,
+    is_utf8,
+    keys_not_text,
+    with_text_keys,
+)
 from agentruns.store.base import NewRun
 from agentruns.store.schema import KEY_LENGTH, THREAD_KEY
 
@@ -155,9 +163,20 @@ def trigger_envelope(trigger: TriggerEnvelope | dict[str, Any]) -> TriggerEnvelo
     if not isinstance(trigger, dict):
         raise InvalidTriggerError("a trigger is a TriggerEnvelope or a dict of its fields")
     try:
-        return TriggerEnvelope.model_validate(trigger)
+        envelope = TriggerEnvelope.model_validate(trigger)
     except ValidationError as exc:
         raise InvalidTriggerError(f"invalid trigger: {problems(exc, 'trigger')}") from None
+    if keys_not_text(envelope.payload):
+        # As JSON spells them (1 as "1", None as "null"), as a Celery message brings
+        # them: else stored as pydantic spells them ("None"), and the model shown
+        # JSON's, one run of two payloads. (Here, not in the model's validator, which
+        # every read of a run would pay for.)
+        try:
+            payload = with_text_keys(envelope.payload)
+        except ValueError as exc:
+            raise InvalidTriggerError(f"invalid trigger: {exc}") from None
+        envelope = envelope.model_copy(update={"payload": payload})
+    return envelope
 
 
 def warn_if_another(run: Run, new: NewRun) -> None:

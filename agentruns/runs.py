@@ -103,15 +103,10 @@ def _check_json(value: Any) -> Any:
     problem = json_problem(value)
     if problem is not None:
         raise ValueError(f"payload is not JSON: {problem}")
-    if _keys_not_text(value):
-        # As JSON spells them (1 as "1", None as "null"), as a Celery message brings
-        # them: else stored as pydantic spells them ("None"), and the model shown
-        # JSON's, one run of two payloads.
-        return _with_text_keys(value)
     return value
 
 
-def _with_text_keys(value: Any) -> Any:
+def with_text_keys(value: Any) -> Any:
     """``value`` with its dicts' keys as JSON spells them (and its tuples as lists);
     ``ValueError`` if two keys of a dict would then be one ({1: .., "1": ..}), which
     JSON would keep only the last of."""
@@ -125,16 +120,16 @@ def _with_text_keys(value: Any) -> Any:
                     f"payload is not JSON: the keys {given[text]!r} and {key!r} of a dict"
                     f" are both {text!r} in JSON"
                 )
-            spelled[text], given[text] = _with_text_keys(item), key
+            spelled[text], given[text] = with_text_keys(item), key
         return spelled
     if isinstance(value, list | tuple):
-        return [_with_text_keys(item) for item in value]
+        return [with_text_keys(item) for item in value]
     return value
 
 
-def _keys_not_text(value: Any) -> bool:
-    """Has a dict in ``value`` a key that is not text? (Nesting is bounded: checked
-    by ``json_problem`` first.)"""
+def keys_not_text(value: Any) -> bool:
+    """Has a dict in ``value`` a key that is not text? (For a value ``json_problem``
+    passed: its nesting is bounded.)"""
     containers = [value]
     while containers:
         found = containers.pop()

@@ -263,11 +263,11 @@ def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]
     # Every field may be left out, and is then left as it is (``partial``); a field
     # is null only if the state's own type allows it (offered as nullable, a field
     # that is not was refused null by the state, in pydantic's multi-line words).
+    # Its type alone, without the field's validators and constraints: the state
+    # applies those once, to the merged whole (a validator applied to the input too
+    # ran twice, and saw the fields left out as None).
     update_fields: dict[str, Any] = {
-        name: (
-            Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation,
-            Field(default_factory=_left_out, description=field.description),
-        )
+        name: (field.annotation, Field(default_factory=_left_out, description=field.description))
         for name, field in state_model.model_fields.items()
     }
     update_model = create_model(

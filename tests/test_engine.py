@@ -1702,8 +1702,9 @@ def test_a_lease_lost_after_a_timeout_still_stops_every_write(
     assert errors.of(LeaseLostError)
 
 
+@pytest.mark.parametrize("how", ["execute", "dispatch_here"])
 def test_execute_returns_the_run_as_stored_after_its_lease_was_lost(
-    make_engine: EngineFactory, errors: Errors, redis_prefix: str
+    how: str, make_engine: EngineFactory, errors: Errors, redis_prefix: str
 ) -> None:
     # It returned the run as its execution last wrote it: running, though another
     # engine had finished it meanwhile.
@@ -1722,14 +1723,20 @@ def test_execute_returns_the_run_as_stored_after_its_lease_was_lost(
 
     first = make_engine([agent()], scheduler=ManualScheduler(), lease_ttl=0.6, requeue_after=0.1)
     second = make_engine([agent()], scheduler=ManualScheduler(), lease_ttl=0.6, requeue_after=0.1)
-    run = first.dispatch("a", trigger({}))
     returned: list[Run] = []
-    executing = threading.Thread(target=lambda: returned.append(first.execute(run.id)))
+    if how == "execute":
+        run_id = first.dispatch("a", trigger({})).id
+        executing = threading.Thread(target=lambda: returned.append(first.execute(run_id)))
+    else:
+        executing = threading.Thread(
+            target=lambda: returned.append(first.dispatch_here("a", trigger({})))
+        )
     executing.start()
     assert stalled.wait(10)
-    redis.Redis.from_url(REDIS_URL).delete(f"{redis_prefix}:lease:{run.id}")  # lost
-    wait_for(lambda: second.recover() == [run.id], timeout=10)  # once its claim expired
-    assert second.execute(run.id).status is RunStatus.COMPLETED
+    run_id = first.list_runs()[0].id
+    redis.Redis.from_url(REDIS_URL).delete(f"{redis_prefix}:lease:{run_id}")  # lost
+    wait_for(lambda: second.recover() == [run_id], timeout=10)  # once its claim expired
+    assert second.execute(run_id).status is RunStatus.COMPLETED
     go_on.set()
     executing.join(10)
     assert returned[0].status is RunStatus.COMPLETED, returned[0]

@@ -98,6 +98,23 @@ def test_a_write_with_a_stale_epoch_raises_lease_lost_and_writes_nothing(db_url:
     store.close()
 
 
+def test_a_store_on_a_pool_of_the_callers_choice_works(db_url: str) -> None:
+    # The store's pool sizes were passed to any pool: NullPool (one connection per
+    # checkout, as behind PgBouncer) refused them, and the store could not be made.
+    store = SqlStore(db_url, poolclass=sa.pool.NullPool)
+    try:
+        run, _ = store.create_run(new_run())
+        claimed = store.claim(run.id, "one", soon())
+        assert claimed is not None
+        now = utcnow()
+        step = NewStep(kind="llm", name="m", started_at=now, finished_at=now)
+        guard = Guard(status=RunStatus.RUNNING, epoch=claimed.epoch)
+        assert store.commit(claimed.run, guard, Commit(steps=[step])) is not None
+        assert [s.kind for s in store.steps(run.id)] == ["llm"]
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("url", ["db_url", "sqlite_url"])
 @pytest.mark.parametrize(
     "case", ["handed back", "both failed", "gone before", "two back", "three back", "sent again"]

@@ -8,10 +8,18 @@ import asyncio
 import re
 from collections.abc import Callable
 from datetime import timedelta
+from decimal import Decimal
 from typing import Annotated, Any
 
 import pytest
-from pydantic import BaseModel, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    Field,
+    ValidationInfo,
+    model_validator,
+)
 
 from agentruns import Agent, Engine, RunStatus, ToolContext, tool
 from agentruns.models import ScriptedModel, text, tool_use
@@ -272,12 +280,7 @@ def test_update_state_offers_null_only_for_fields_whose_type_takes_it(
     )
     update = state_tools(Counted, StateHolder({}))[1]
     properties = update.spec.input_schema["properties"]
-    assert properties["count"] == {
-        "description": "items seen",
-        "minimum": 0,
-        "title": "Count",
-        "type": "integer",
-    }
+    assert properties["count"] == {"description": "items seen", "title": "Count", "type": "integer"}
     assert "anyOf" in properties["note"] and "required" not in update.spec.input_schema
     engine = make_engine([Agent("a", model, state=Counted)])
     run = engine.dispatch("a", trigger({}))
@@ -298,3 +301,39 @@ def test_update_state_offers_null_only_for_fields_whose_type_takes_it(
         "low": 0,
         "high": 10,
     }
+
+
+def _to_cents(value: Any) -> int:
+    return int(Decimal(str(value)) * 100)
+
+
+def _with_unit(value: str, info: ValidationInfo) -> str:
+    unit = info.data["unit"]
+    return value if value.endswith(unit) else f"{value} {unit}"
+
+
+class Priced(BaseModel):
+    unit: str = "kg"
+    price_cents: Annotated[int, BeforeValidator(_to_cents)] = 0
+    weight: Annotated[str, AfterValidator(_with_unit)] = "0 kg"
+
+
+def test_update_state_applies_the_states_validators_once_to_the_merged_state(
+    make_engine: EngineFactory,
+) -> None:
+    # Applied to the tool's input too, a field's validator ran twice (5 became 50000
+    # cents), and one reading another field saw the fields left out as None.
+    model = ScriptedModel(
+        [
+            tool_use("update_state", {"weight": "3"}),
+            tool_use("update_state", {"price_cents": 5}),
+            text("done"),
+        ]
+    )
+    engine = make_engine([Agent("a", model, state=Priced)])
+    run = engine.dispatch("a", trigger({}))
+    assert engine.idle(10)
+    assert engine.get_run(run.id).status is RunStatus.COMPLETED
+    checkpoint = engine.checkpoint(run.id)
+    assert checkpoint is not None
+    assert checkpoint.state == {"unit": "kg", "price_cents": 500, "weight": "3 kg"}

@@ -174,9 +174,12 @@ def _postgres_engine(url: str, **kwargs: Any) -> Engine:
     # closed after it ("overflow"): a new Postgres connection costs milliseconds of
     # CPU on both sides and starts with no prepared statements, and bursts are
     # what a worker's runs make when their model calls return together.
-    kwargs.setdefault("pool_size", 30)
-    kwargs.setdefault("max_overflow", 0)
     kwargs.setdefault("poolclass", _Pool)
+    if issubclass(
+        kwargs["poolclass"], sa.pool.QueuePool
+    ):  # a pool of the caller's may take neither
+        kwargs.setdefault("pool_size", 30)
+        kwargs.setdefault("max_overflow", 0)
     # No pre-ping round trip per checkout, but a look at the socket (``closed``, on
     # checkout; the hot path's held connections, in held.py): a connection the
     # server ended while it sat idle (a restart, an idle timeout, a terminated

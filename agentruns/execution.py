@@ -14,6 +14,7 @@ stored messages stay append-only and the transcript stays valid.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import math
 import threading
@@ -308,7 +309,10 @@ class Execution:
         if state is None or model is None:
             return None
         try:
-            taken = model.model_validate(state, by_name=True, by_alias=False)
+            # From JSON, as the state is kept: a strict model's datetime is text there.
+            taken = model.model_validate_json(
+                json.dumps(state, ensure_ascii=False), by_name=True, by_alias=False
+            )
         except ValidationError as exc:
             log.warning(
                 "run %s: its thread's state does not fit agent %s's state model (%s);"

@@ -134,11 +134,12 @@ def _keys(
         else ("the trigger's id (the idempotency key by default)", envelope.id),
         ("concurrency_key", concurrency_key),
         ("thread", thread),
-        ("the trigger's source", envelope.source),
-        ("the trigger's name (trigger)", envelope.trigger),
     ):
         if text == "":  # an unset variable, likely: it would make every run one
             raise InvalidTriggerError(f"{what} must not be empty (leave it out for none)")
+    for what, text in (("source", envelope.source), ("name (trigger)", envelope.trigger)):
+        if text == "":  # an unset variable, likely: shown as "/ manual", or the like
+            raise InvalidTriggerError(f"the trigger's {what} must not be empty")
     if concurrency_key is None and thread is not None:
         concurrency_key = f"{THREAD_KEY}{thread}"
     if idempotency_key is None:

@@ -130,4 +130,4 @@ def _malformed_call(block: dict[str, Any], seen: set[str]) -> str | None:
 _THINKING = frozenset({"thinking", "redacted_thinking"})
 # Content only a user's message holds (a model of one's own, or a gateway, may
 # return them).
-_USERS_OWN = frozenset({"tool_result", "image", "document", "search_result", "container_upload"})
+_USERS_OWN = frozenset({"tool_result", "image", "document", "search_result"})

@@ -21,7 +21,15 @@ from typing import (
     overload,
 )
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SkipValidation,
+    ValidationError,
+    create_model,
+)
+from pydantic.fields import FieldInfo
 from pydantic_core import to_jsonable_python
 
 from agentruns.errors import problems
@@ -239,6 +247,14 @@ def _is_context(annotation: Any) -> bool:
 STATE_TOOL_NAMES = ["read_state", "update_state"]  # ``state_tools``'s
 
 
+def _schema_only(field: FieldInfo) -> Any:
+    """A state field's type as ``update_state``'s input has it: its schema, with
+    nothing of it applied."""
+    typed = Annotated[(field.annotation, *field.metadata)] if field.metadata else field.annotation
+    skip: Any = SkipValidation  # typed as a generic alias, which mypy cannot index here
+    return skip[typed]
+
+
 def _left_out() -> None:
     """An ``update_state`` field's default: not in the schema, and never used, as only
     the fields given are (``model_fields_set``)."""
@@ -254,7 +270,11 @@ def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]
         # Only the fields given (a null clears an optional one), by field name.
         merged = {**holder.value, **changes}
         try:
-            new = state_model.model_validate(merged, by_name=True, by_alias=False)
+            # From JSON, as the state is kept (and the model sends its input): a strict
+            # state's datetime, kept as text, is then taken again.
+            new = state_model.model_validate_json(
+                json.dumps(merged, ensure_ascii=False), by_name=True, by_alias=False
+            )
         except ValidationError as exc:  # the state's own validators: said in one line
             raise ValueError(f"the state would not be valid: {problems(exc, 'state')}") from None
         holder.value = new.model_dump(mode="json")
@@ -263,11 +283,15 @@ def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]
     # Every field may be left out, and is then left as it is (``partial``); a field
     # is null only if the state's own type allows it (offered as nullable, a field
     # that is not was refused null by the state, in pydantic's multi-line words).
-    # Its type alone, without the field's validators and constraints: the state
-    # applies those once, to the merged whole (a validator applied to the input too
-    # ran twice, and saw the fields left out as None).
+    # Its schema is the state's field's, constraints and description included, but
+    # nothing of it is applied to the input (SkipValidation): the state applies its
+    # validators once, to the merged whole (applied to the input too, they ran twice,
+    # and saw the fields left out as None).
     update_fields: dict[str, Any] = {
-        name: (field.annotation, Field(default_factory=_left_out, description=field.description))
+        name: (
+            _schema_only(field),
+            Field(default_factory=_left_out, description=field.description),
+        )
         for name, field in state_model.model_fields.items()
     }
     update_model = create_model(

@@ -174,7 +174,8 @@ def _postgres_engine(url: str, **kwargs: Any) -> Engine:
     # closed after it ("overflow"): a new Postgres connection costs milliseconds of
     # CPU on both sides and starts with no prepared statements, and bursts are
     # what a worker's runs make when their model calls return together.
-    kwargs.setdefault("poolclass", _Pool)
+    if kwargs.get("poolclass") is None:
+        kwargs["poolclass"] = _Pool
     if issubclass(
         kwargs["poolclass"], sa.pool.QueuePool
     ):  # a pool of the caller's may take neither

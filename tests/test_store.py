@@ -102,6 +102,9 @@ def test_a_store_on_a_pool_of_the_callers_choice_works(db_url: str) -> None:
     # The store's pool sizes were passed to any pool: NullPool (one connection per
     # checkout, as behind PgBouncer) refused them, and the store could not be made.
     SqlStore(db_url, poolclass=None).close()  # None: the store's own, as if not given
+    for shared in (sa.pool.StaticPool, sa.pool.SingletonThreadPool):  # threads collide
+        with pytest.raises(ValueError, match="takes a QueuePool or a NullPool"):
+            SqlStore(db_url, poolclass=shared)
     store = SqlStore(db_url, poolclass=sa.pool.NullPool)
     try:
         run, _ = store.create_run(new_run())

@@ -176,6 +176,14 @@ def _postgres_engine(url: str, **kwargs: Any) -> Engine:
     # what a worker's runs make when their model calls return together.
     if kwargs.get("poolclass") is None:
         kwargs["poolclass"] = _Pool
+    if not issubclass(kwargs["poolclass"], sa.pool.QueuePool | sa.pool.NullPool):
+        # One connection shared between threads (StaticPool), or one per thread
+        # closed as others come (SingletonThreadPool): a worker's executions would
+        # fail each other's statements.
+        raise ValueError(
+            f"agentruns' Postgres store takes a QueuePool or a NullPool, not"
+            f" {kwargs['poolclass'].__name__}"
+        )
     if issubclass(
         kwargs["poolclass"], sa.pool.QueuePool
     ):  # a pool of the caller's may take neither

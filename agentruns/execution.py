@@ -703,7 +703,7 @@ class Execution:
         *,
         waiting: WaitPoint | None = None,
         error: RunError | None = None,
-    ) -> Run:
+    ) -> None:
         """Settle with the step unfinished: its tool steps so far, its answers pending
         (done, or awaiting approval), the checkpoint at the calls."""
         self._commit(
@@ -718,7 +718,7 @@ class Execution:
                 release_claim=True,
             )
         )
-        return self._cancel_if_asked()
+        self._cancel_if_asked()
 
     def _settle(
         self,
@@ -743,7 +743,7 @@ class Execution:
         self._cancel_if_asked()
         raise _Stop
 
-    def _cancel_if_asked(self) -> Run:
+    def _cancel_if_asked(self) -> None:
         """A cancel flagged while the run ran (its owner already stopping for another
         reason, or about to pause) that this execution left waiting or interrupted (a
         pause, a drain, a worker's time limit): cancelled now, as a waiting or
@@ -755,7 +755,6 @@ class Execution:
                 self.run = self.engine.cancel(run.id)
             except Exception as exc:  # a tick, or a recovery's execution, cancels it
                 self.engine.report(exc)
-        return self.run
 
     def _stopped(self, exc: Exception) -> None:
         """A worker's time limit stopped the execution, just before the pool kills the

@@ -280,13 +280,11 @@ def state_tools(state_model: type[BaseModel], holder: StateHolder) -> list[Tool]
         holder.value = new.model_dump(mode="json")
         return holder.value
 
-    # Every field may be left out, and is then left as it is (``partial``); a field
-    # is null only if the state's own type allows it (offered as nullable, a field
-    # that is not was refused null by the state, in pydantic's multi-line words).
-    # Its schema is the state's field's, constraints and description included, but
-    # nothing of it is applied to the input (SkipValidation): the state applies its
-    # validators once, to the merged whole (applied to the input too, they ran twice,
-    # and saw the fields left out as None).
+    # Every field may be left out, and is then left as it is (``partial``). Its
+    # schema is the state's field's (null only where its type takes it, constraints
+    # and description kept), but nothing of it is applied to the input: the state
+    # applies its validators once, to the merged whole (applied to the input too,
+    # they ran twice, and saw the fields left out as None).
     update_fields: dict[str, Any] = {
         name: (
             _schema_only(field),

@@ -184,9 +184,7 @@ def _postgres_engine(url: str, **kwargs: Any) -> Engine:
             f"agentruns' Postgres store takes a QueuePool or a NullPool, not"
             f" {kwargs['poolclass'].__name__}"
         )
-    if issubclass(
-        kwargs["poolclass"], sa.pool.QueuePool
-    ):  # a pool of the caller's may take neither
+    if issubclass(kwargs["poolclass"], sa.pool.QueuePool):  # a NullPool takes no sizes
         kwargs.setdefault("pool_size", 30)
         kwargs.setdefault("max_overflow", 0)
     # No pre-ping round trip per checkout, but a look at the socket (``closed``, on

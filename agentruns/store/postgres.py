@@ -84,7 +84,7 @@ class Prepared:
     def values(self, params: dict[str, Any]) -> Sequence[bytes]:
         # None is SQL NULL to libpq (the pq layer's own stubs type it only for sends).
         # Two writes a step of some thirty parameters each: by the value's exact type
-        # first (the commonest), a tenth of an execution's CPU spent here otherwise.
+        # first (the commonest), about a third less time than ``_text``'s checks.
         by_type = _TEXT_BY_TYPE
         return cast(
             "list[bytes]",
